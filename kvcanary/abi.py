@@ -1,0 +1,356 @@
+"""The ABI shared by Python and the CUDA kernels, declared once.
+
+Every constant, enum and params-struct layout the device code uses lives here. From these tables
+come (1) the ctypes structs the launcher fills and (2) the C++ prelude handed to NVRTC as an
+in-memory header, which ``static_assert``s every struct's size and every field's offset, so a
+layout drift fails the compile on a CPU-only machine. No kvcanary number is typed into a ``.cu``
+file. This module imports nothing from CUDA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+from dataclasses import dataclass
+
+FORMAT_VERSION = 1
+
+# ---- canary buffer (SPEC §2) -------------------------------------------------------------------
+SLOT_BYTES = 32
+FIELD_TOKEN = 0
+FIELD_POSITION = 1
+FIELD_PREV_HASH = 2
+FIELD_REAL_KV_HASH = 3
+FIELDS_PER_SLOT = 4
+PADDING_SLOT = 0
+
+# ---- hashing (SPEC §3) ----------------------------------------------------------------------------
+ANCHOR = 0xC0FFEE1234567890
+SM_MUL1 = 0xBF58476D1CE4E5B9
+SM_MUL2 = 0x94D049BB133111EB
+SM_SHIFT1, SM_SHIFT2, SM_SHIFT3 = 30, 27, 31
+PARTIAL_HASH_BYTES = 16
+REAL_KV_ALIGN = 16
+
+# ---- violation ring (SPEC §5) ----------------------------------------------------------------------
+RING_COLS = 8
+COL_KERNEL_KIND = 0
+COL_SLOT_IDX = 1
+COL_POSITION = 2
+COL_STORED_TOKEN = 3
+COL_EXPECTED_TOKEN = 4
+COL_STORED_CHAIN_HASH = 5
+COL_EXPECTED_AUX = 6
+COL_FAIL_REASON_BITS = 7
+DEFAULT_RING_CAPACITY = 4096
+
+MAX_REAL_KV_SOURCES = 64
+NO_EXPECTED_TOKEN = -1
+CHAIN_HEAD = -1
+
+
+class FailReason(enum.IntFlag):
+    """Bits of ring column FAIL_REASON_BITS. Values 1..32 are format v1 (SGLang-compatible).
+
+    SLOT_OUT_OF_RANGE is a kvcanary addition: a plan, seed or out_cache_loc names a slot outside
+    the canary buffer. Format v1 readers see an unknown bit; the row is never silently dropped.
+    """
+
+    VERIFY_CHAIN_HASH_MISMATCH = 1
+    VERIFY_POSITION_MISMATCH = 2
+    VERIFY_REAL_KV_HASH_MISMATCH = 4
+    WRITE_TOKEN_MISMATCH = 8
+    WRITE_POSITION_MISMATCH = 16
+    VERIFY_TOKEN_MISMATCH = 32
+    SLOT_OUT_OF_RANGE = 64
+
+
+class LaunchTag(enum.IntEnum):
+    """Ring column KERNEL_KIND: which launch recorded a row. Value order is ABI."""
+
+    HEAD_K_FULL = 0
+    HEAD_V_FULL = 1
+    TAIL_K_FULL = 2
+    TAIL_V_FULL = 3
+    SWEEP_K_FULL = 4
+    SWEEP_V_FULL = 5
+    HEAD_K_SWA = 6
+    HEAD_V_SWA = 7
+    TAIL_K_SWA = 8
+    TAIL_V_SWA = 9
+    SWEEP_K_SWA = 10
+    SWEEP_V_SWA = 11
+
+
+class HashMode(enum.IntEnum):
+    """How much of each real-KV source strip is fingerprinted (SPEC §3)."""
+
+    NONE = 0
+    PARTIAL = 1
+    ALL = 2
+
+
+# ---- params structs ---------------------------------------------------------------------------------
+# A field is (name, kind). kind is a scalar ("i32", "i64", "u64"), a typed device pointer
+# ("ptr:T" with T a C type; 8 bytes, carried as uint64 on the host) or ("struct", Name, count).
+_SCALARS = {
+    "i32": (4, ctypes.c_int32, "int"),
+    "i64": (8, ctypes.c_int64, "long long"),
+    "u64": (8, ctypes.c_uint64, "unsigned long long"),
+}
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    kind: str
+    count: int = 1  # > 1 only for arrays of structs
+
+
+@dataclass(frozen=True)
+class StructDecl:
+    """A params struct: fields in order, no implicit padding (explicit _pad fields instead)."""
+
+    name: str
+    fields: tuple[Field, ...]
+
+
+def _F(name: str, kind: str, count: int = 1) -> Field:
+    return Field(name, kind, count)
+
+
+SOURCE_DESC = StructDecl("KvcSourceDesc", (
+    _F("base", "ptr:const unsigned char"),
+    _F("row_stride", "i64"),        # bytes between rows of the uint8 view
+    _F("page_size", "i32"),
+    _F("bytes_per_token", "i32"),
+    _F("hash_bytes", "i32"),        # bytes fingerprinted per slot: 16 (PARTIAL) or read_bytes (ALL)
+    _F("_pad0", "i32"),
+))
+
+# Fields every canary launch shares: the buffer, the sink, the counters and the sources.
+_COMMON = (
+    _F("canary", "ptr:long long"),
+    _F("slot_stride_words", "i64"),  # slot stride in int64 words
+    _F("num_slots", "i64"),
+    _F("ring", "ptr:long long"),
+    _F("ring_capacity", "i64"),
+    _F("write_index", "ptr:int"),
+    _F("kernel_run_counter", "ptr:unsigned long long"),
+    _F("slot_run_counter", "ptr:unsigned long long"),
+    _F("tag", "i32"),
+    _F("num_sources", "i32"),
+    _F("sources", "struct:KvcSourceDesc", MAX_REAL_KV_SOURCES),
+)
+
+VERIFY_PARAMS = StructDecl("KvcVerifyParams", _COMMON + (
+    _F("plan_slot", "ptr:const long long"),
+    _F("plan_expected_token", "ptr:const long long"),
+    _F("plan_expected_position", "ptr:const long long"),
+    _F("plan_prev_slot", "ptr:const long long"),
+    _F("plan_num_valid", "ptr:const int"),
+    _F("plan_enable", "ptr:const int"),
+    _F("plan_capacity", "i64"),
+    _F("check_expected_token", "i32"),
+    _F("_pad0", "i32"),
+))
+
+WRITE_PARAMS = StructDecl("KvcWriteParams", _COMMON + (
+    _F("offsets", "ptr:const long long"),
+    _F("seed", "ptr:const long long"),
+    _F("num_valid_reqs", "ptr:const int"),
+    _F("req_capacity", "i64"),
+    _F("input_ids", "ptr:const long long"),
+    _F("positions", "ptr:const long long"),
+    _F("out_cache_loc", "ptr:const long long"),
+    _F("num_tokens", "i64"),
+    _F("expected_input_ids", "ptr:const long long"),   # 0 when not given
+    _F("expected_positions", "ptr:const long long"),   # 0 when not given
+    _F("chain_position_assert", "ptr:const int"),      # 0 when not given (assert off)
+))
+
+# The engine's batch, as the plan builder and the fused verify read it (SPEC §8).
+_BATCH = (
+    _F("req_pool_indices", "ptr:const long long"),
+    _F("prefix_lens", "ptr:const long long"),
+    _F("extend_lens", "ptr:const long long"),
+    _F("batch_size", "i64"),
+    _F("req_to_token", "ptr:const int"),
+    _F("rtt_rows", "i64"),
+    _F("rtt_row_stride", "i64"),                 # elements
+    _F("rtt_max_len", "i64"),
+    _F("swa_window", "i64"),                     # 0 = no window
+    _F("swa_map", "ptr:const long long"),        # 0 = identity
+    _F("swa_map_len", "i64"),
+    _F("expected_pool", "ptr:const long long"),  # 0 = no expected tokens
+    _F("expected_row_stride", "i64"),            # elements
+    _F("expected_pool_len", "i64"),
+    _F("expected_valid_lens", "ptr:const long long"),
+    _F("expected_token_offset", "i64"),
+    _F("entry_offsets", "ptr:long long"),        # [batch_size + 1] verify entries per request
+    _F("verify_num_valid", "ptr:int"),
+    _F("verify_enable", "ptr:int"),
+    _F("verify_capacity", "i64"),
+)
+
+PREPARE_PARAMS = StructDecl("KvcPrepareParams", _BATCH + (
+    _F("write_offsets", "ptr:long long"),        # WritePlan.offsets [req_capacity + 1]
+    _F("write_seed", "ptr:long long"),           # WritePlan.seed [req_capacity]
+    _F("write_num_valid_reqs", "ptr:int"),
+    _F("write_req_capacity", "i64"),
+))
+
+EXPAND_PARAMS = StructDecl("KvcExpandParams", _BATCH + (
+    _F("plan_slot", "ptr:long long"),
+    _F("plan_expected_token", "ptr:long long"),
+    _F("plan_expected_position", "ptr:long long"),
+    _F("plan_prev_slot", "ptr:long long"),
+))
+
+FUSED_VERIFY_PARAMS = StructDecl("KvcFusedVerifyParams", _COMMON + _BATCH + (
+    _F("check_expected_token", "i32"),
+    _F("_pad0", "i32"),
+))
+
+PROBE_PARAMS = StructDecl("KvcProbeParams", (
+    _F("out", "ptr:long long"),
+    _F("a_i32", "i32"),
+    _F("b_i32", "i32"),
+    _F("c_i64", "i64"),
+    _F("d_u64", "u64"),
+    _F("sources", "struct:KvcSourceDesc", 2),
+))
+
+STRUCTS: tuple[StructDecl, ...] = (
+    SOURCE_DESC, VERIFY_PARAMS, WRITE_PARAMS, PREPARE_PARAMS, EXPAND_PARAMS,
+    FUSED_VERIFY_PARAMS, PROBE_PARAMS,
+)
+_BY_NAME = {s.name: s for s in STRUCTS}
+
+
+def field_size(f: Field) -> int:
+    if f.kind.startswith("ptr:"):
+        return 8
+    if f.kind.startswith("struct:"):
+        return struct_size(_BY_NAME[f.kind[7:]]) * f.count
+    return _SCALARS[f.kind][0]
+
+
+def field_align(f: Field) -> int:
+    return 8 if f.kind.startswith(("ptr:", "struct:")) else _SCALARS[f.kind][0]
+
+
+def layout(decl: StructDecl) -> dict[str, int]:
+    """Field name → byte offset, packing fields in order with no implicit padding."""
+    offsets, off = {}, 0
+    for f in decl.fields:
+        if off % field_align(f):
+            raise AssertionError(f"kv-canary: ABI field {decl.name}.{f.name} at offset {off} is "
+                                 f"misaligned; add an explicit _pad field before it")
+        offsets[f.name] = off
+        off += field_size(f)
+    return offsets
+
+
+def struct_size(decl: StructDecl) -> int:
+    size = sum(field_size(f) for f in decl.fields)
+    if size % 8:
+        raise AssertionError(f"kv-canary: ABI struct {decl.name} is {size} bytes, not a multiple "
+                             f"of 8; add an explicit tail _pad field")
+    return size
+
+
+# ---- ctypes side -------------------------------------------------------------------------------
+def _ctype(f: Field):
+    if f.kind.startswith("ptr:"):
+        return ctypes.c_uint64
+    if f.kind.startswith("struct:"):
+        return CTYPES[f.kind[7:]] * f.count
+    return _SCALARS[f.kind][1]
+
+
+def _make_ctypes(decl: StructDecl) -> type[ctypes.Structure]:
+    return type(decl.name, (ctypes.Structure,), {"_fields_": [(f.name, _ctype(f)) for f in decl.fields]})
+
+
+CTYPES: dict[str, type[ctypes.Structure]] = {}
+for _decl in STRUCTS:
+    CTYPES[_decl.name] = _make_ctypes(_decl)
+
+SourceDesc = CTYPES["KvcSourceDesc"]
+VerifyParams = CTYPES["KvcVerifyParams"]
+WriteParams = CTYPES["KvcWriteParams"]
+PrepareParams = CTYPES["KvcPrepareParams"]
+ExpandParams = CTYPES["KvcExpandParams"]
+FusedVerifyParams = CTYPES["KvcFusedVerifyParams"]
+ProbeParams = CTYPES["KvcProbeParams"]
+
+
+# ---- C++ side ---------------------------------------------------------------------------------------
+def constants() -> dict[str, int]:
+    """Every integer constant the device code may use, by its C name."""
+    out = {
+        "KVC_FORMAT_VERSION": FORMAT_VERSION, "KVC_SLOT_BYTES": SLOT_BYTES,
+        "KVC_FIELD_TOKEN": FIELD_TOKEN, "KVC_FIELD_POSITION": FIELD_POSITION,
+        "KVC_FIELD_PREV_HASH": FIELD_PREV_HASH, "KVC_FIELD_REAL_KV_HASH": FIELD_REAL_KV_HASH,
+        "KVC_PADDING_SLOT": PADDING_SLOT,
+        "KVC_ANCHOR": ANCHOR, "KVC_SM_MUL1": SM_MUL1, "KVC_SM_MUL2": SM_MUL2,
+        "KVC_SM_SHIFT1": SM_SHIFT1, "KVC_SM_SHIFT2": SM_SHIFT2, "KVC_SM_SHIFT3": SM_SHIFT3,
+        "KVC_RING_COLS": RING_COLS, "KVC_MAX_REAL_KV_SOURCES": MAX_REAL_KV_SOURCES,
+        "KVC_NO_EXPECTED_TOKEN": NO_EXPECTED_TOKEN, "KVC_CHAIN_HEAD": CHAIN_HEAD,
+        "KVC_REAL_KV_ALIGN": REAL_KV_ALIGN,
+    }
+    for name in ("KERNEL_KIND", "SLOT_IDX", "POSITION", "STORED_TOKEN", "EXPECTED_TOKEN",
+                 "STORED_CHAIN_HASH", "EXPECTED_AUX", "FAIL_REASON_BITS"):
+        out[f"KVC_COL_{name}"] = globals()[f"COL_{name}"]
+    for bit in FailReason:
+        out[f"KVC_{bit.name}"] = int(bit)
+    return out
+
+
+def _c_decl(f: Field) -> str:
+    if f.kind.startswith("ptr:"):
+        return f"{f.kind[4:]}* {f.name};"
+    if f.kind.startswith("struct:"):
+        return f"{f.kind[7:]} {f.name}[{f.count}];"
+    return f"{_SCALARS[f.kind][2]} {f.name};"
+
+
+def render_prelude(structs: tuple[StructDecl, ...] = STRUCTS,
+                   offsets: dict[str, dict[str, int]] | None = None) -> str:
+    """The C++ header every kernel includes as "kvcanary_abi.cuh".
+
+    NVRTC has no standard headers, so the integer typedefs are spelled out. Offsets are checked
+    without offsetof (NVRTC 13.0 rejects __builtin_offsetof and the null-pointer idiom in constant
+    expressions): for each field a packed struct of the fields before it must have the field's
+    offset as its size, and the real struct's size must equal the sum of its field sizes, which
+    rules out implicit padding, so the real offsets equal the packed ones.
+    ``offsets`` overrides the expected offsets (tests use it to prove a drift fails the compile).
+    """
+    lines = [
+        "// Generated from kvcanary/abi.py. Do not edit.",
+        "#pragma once",
+        "typedef signed char int8_t; typedef unsigned char uint8_t;",
+        "typedef int int32_t; typedef unsigned int uint32_t;",
+        "typedef long long int64_t; typedef unsigned long long uint64_t;",
+        "",
+    ]
+    for name, value in constants().items():
+        c_type = "unsigned long long" if value > 0x7FFFFFFFFFFFFFFF else "long long"
+        lines.append(f"#define {name} (({c_type}){value}{'ULL' if value > 0x7FFFFFFFFFFFFFFF else 'LL'})")
+    lines.append("")
+    for decl in structs:
+        expected = (offsets or {}).get(decl.name, layout(decl))
+        lines.append(f"struct {decl.name} {{")
+        lines += [f"  {_c_decl(f)}" for f in decl.fields]
+        lines.append("};")
+        lines.append(f'static_assert(sizeof({decl.name}) == {struct_size(decl)}, '
+                     f'"kv-canary ABI: sizeof({decl.name}) differs from abi.py");')
+        for i, f in enumerate(decl.fields[1:], start=1):
+            probe = f"{decl.name}__upto_{f.name}"
+            lines.append(f"struct __attribute__((packed)) {probe} {{ "
+                         + " ".join(_c_decl(g) for g in decl.fields[:i]) + " };")
+            lines.append(f'static_assert(sizeof({probe}) == {expected[f.name]}, '
+                         f'"kv-canary ABI: offset of {decl.name}.{f.name} differs from abi.py");')
+        lines.append("")
+    return "\n".join(lines) + "\n"
