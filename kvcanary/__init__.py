@@ -1,2 +1,32 @@
-"""kvcanary: a KV-cache canary for LLM serving engines (placeholder during bring-up)."""
+"""kvcanary: a canary for the paged KV cache of LLM serving engines.
+
+Importing compiles every kernel of kernels_src/ with NVRTC for the configured archs (or loads the
+cubins from the disk cache). It never initialises the CUDA driver: that happens on the first
+launch, so servers may fork after import.
+"""
+
 __version__ = "0.1.0"
+
+from . import abi, compile as _compile, driver as _driver  # noqa: E402
+from .abi import FailReason, HashMode, LaunchTag, MAX_REAL_KV_SOURCES  # noqa: E402
+from .errors import (CanaryViolationError, CompileError, DriverError, KvCanaryError,  # noqa: E402
+                     NoCudaDriverError, ValidationError, ValidationTypeError)
+
+_driver._compiled = COMPILED = _compile.load_kernels()
+
+from .arrays import ArrayView, as_view, from_pointer  # noqa: E402
+from .ops import build_plan, fused_verify, verify, write  # noqa: E402
+from .plan import Batch, StepPlan  # noqa: E402
+from .sources import (RealKvSource, source_from_slots, sources_from_layers,  # noqa: E402
+                      sources_from_pages, sources_from_vllm)
+from .state import CanaryBuffer, VerifyContext, ViolationSink  # noqa: E402
+from .violations import Violation, decode_ring  # noqa: E402
+
+__all__ = [
+    "abi", "FailReason", "HashMode", "LaunchTag", "MAX_REAL_KV_SOURCES", "CanaryViolationError",
+    "CompileError", "DriverError", "KvCanaryError", "NoCudaDriverError", "ValidationError",
+    "ValidationTypeError", "ArrayView", "as_view", "from_pointer", "build_plan", "fused_verify",
+    "verify", "write", "Batch", "StepPlan", "RealKvSource", "source_from_slots",
+    "sources_from_layers", "sources_from_pages", "sources_from_vllm", "CanaryBuffer",
+    "VerifyContext", "ViolationSink", "Violation", "decode_ring", "COMPILED",
+]

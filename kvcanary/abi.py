@@ -226,6 +226,20 @@ STRUCTS: tuple[StructDecl, ...] = (
     FUSED_VERIFY_PARAMS, PROBE_PARAMS,
 )
 _BY_NAME = {s.name: s for s in STRUCTS}
+PARAMS_STRUCTS = tuple(s for s in STRUCTS if s is not SOURCE_DESC)
+ECHO_BYTES = 4096  # size of the device echo buffer of the ABI probe
+
+# Kernel entry point -> the one params struct it takes by value.
+KERNELS: dict[str, str] = {
+    "kvc_verify": VERIFY_PARAMS.name,
+    "kvc_fused_verify": FUSED_VERIFY_PARAMS.name,
+    "kvc_write": WRITE_PARAMS.name,
+    "kvc_prepare": PREPARE_PARAMS.name,
+    "kvc_expand": EXPAND_PARAMS.name,
+    "kvc_empty": PROBE_PARAMS.name,
+    "kvc_abi_layout": PROBE_PARAMS.name,
+    **{f"kvc_echo_{s.name}": s.name for s in PARAMS_STRUCTS},
+}
 
 
 def field_size(f: Field) -> int:
@@ -298,7 +312,7 @@ def constants() -> dict[str, int]:
         "KVC_SM_SHIFT1": SM_SHIFT1, "KVC_SM_SHIFT2": SM_SHIFT2, "KVC_SM_SHIFT3": SM_SHIFT3,
         "KVC_RING_COLS": RING_COLS, "KVC_MAX_REAL_KV_SOURCES": MAX_REAL_KV_SOURCES,
         "KVC_NO_EXPECTED_TOKEN": NO_EXPECTED_TOKEN, "KVC_CHAIN_HEAD": CHAIN_HEAD,
-        "KVC_REAL_KV_ALIGN": REAL_KV_ALIGN,
+        "KVC_REAL_KV_ALIGN": REAL_KV_ALIGN, "KVC_ECHO_BYTES": ECHO_BYTES,
     }
     for name in ("KERNEL_KIND", "SLOT_IDX", "POSITION", "STORED_TOKEN", "EXPECTED_TOKEN",
                  "STORED_CHAIN_HASH", "EXPECTED_AUX", "FAIL_REASON_BITS"):
@@ -353,4 +367,26 @@ def render_prelude(structs: tuple[StructDecl, ...] = STRUCTS,
             lines.append(f'static_assert(sizeof({probe}) == {expected[f.name]}, '
                          f'"kv-canary ABI: offset of {decl.name}.{f.name} differs from abi.py");')
         lines.append("")
+    lines.append("#define KVC_FOR_EACH_PARAMS_STRUCT(X) " + " ".join(f"X({d.name})" for d in PARAMS_STRUCTS))
+    lines += _layout_dump(structs)
     return "\n".join(lines) + "\n"
+
+
+def layout_dump_order(structs: tuple[StructDecl, ...] = STRUCTS) -> list[tuple[str, str]]:
+    """(struct, field) pairs in the order kvc_abi_layout_dump writes them; field "" is sizeof."""
+    return [(d.name, f) for d in structs for f in ("", *(g.name for g in d.fields))]
+
+
+def _layout_dump(structs: tuple[StructDecl, ...]) -> list[str]:
+    """A device function writing sizeof and every field offset as the device compiler sees them."""
+    body = ["__device__ __noinline__ void kvc_abi_layout_dump(long long* out) {",
+            "  const char* base = (const char*)out;  // any address; members are never dereferenced"]
+    k = 0
+    for struct, field in layout_dump_order(structs):
+        if not field:
+            body.append(f"  out[{k}] = (long long)sizeof({struct});")
+        else:
+            body.append(f"  out[{k}] = (long long)((const char*)&(({struct}*)base)->{field} - base);")
+        k += 1
+    body.append("}")
+    return body

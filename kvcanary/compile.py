@@ -1,0 +1,152 @@
+"""NVRTC compilation of every kernel in kernels_src/ to cubins, one per configured arch.
+
+``import kvcanary`` calls :func:`load_kernels`, which reads the cubins from the disk cache or
+compiles them. NVRTC needs no driver and no GPU, so this runs on CPU-only machines (and in CI).
+Cubins, not PTX: a driver older than NVRTC rejects its PTX but loads its cubins. Never calls cuInit.
+Environment: ``KVCANARY_ARCHS`` (comma-separated, e.g. "80,90"; default :data:`DEFAULT_ARCHS`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from . import abi
+from .cache import CubinCache, cache_key, default_dir
+from .errors import CompileError, ValidationError
+
+DEFAULT_ARCHS = (80, 86, 89, 90, 100, 120)
+OPTIONS = ("-std=c++17", "--device-as-default-execution-space", "-lineinfo")
+PRELUDE_NAME = "kvcanary_abi.cuh"
+
+
+def kernels_dir() -> Path:
+    """kernels_src/ shipped inside the wheel (kvcanary/kernels_src) or beside a source checkout."""
+    packaged = Path(str(resources.files(__package__))) / "kernels_src"
+    if packaged.is_dir():
+        return packaged
+    return Path(__file__).resolve().parent.parent / "kernels_src"
+
+
+def read_sources(directory: Path | None = None) -> dict[str, str]:
+    """Every .cu/.cuh file of kernels_src, by file name, in a stable order."""
+    directory = directory or kernels_dir()
+    files = sorted(p for p in directory.iterdir() if p.suffix in (".cu", ".cuh"))
+    if not any(p.suffix == ".cu" for p in files):
+        raise CompileError(f"kv-canary: no kernel sources (*.cu) found in {directory}; expected the "
+                           f"kernels_src folder of the kvcanary package. Fix: reinstall kvcanary.")
+    return {p.name: p.read_text() for p in files}
+
+
+def configured_archs() -> tuple[int, ...]:
+    raw = os.environ.get("KVCANARY_ARCHS", "").strip()
+    if not raw:
+        return DEFAULT_ARCHS
+    try:
+        archs = tuple(sorted({int(a.strip().removeprefix("sm_")) for a in raw.split(",") if a.strip()}))
+    except ValueError:
+        raise ValidationError(f"kv-canary: KVCANARY_ARCHS must be comma-separated compute "
+                              f"capabilities like '80,90' or 'sm_90', got {raw!r}") from None
+    if not archs:
+        raise ValidationError("kv-canary: KVCANARY_ARCHS is set but names no arch; expected e.g. '90'")
+    return archs
+
+
+def nvrtc_version() -> tuple[int, int]:
+    from cuda.bindings import nvrtc
+    _, major, minor = nvrtc.nvrtcVersion()
+    return int(major), int(minor)
+
+
+def supported_archs() -> tuple[int, ...]:
+    from cuda.bindings import nvrtc
+    _, archs = nvrtc.nvrtcGetSupportedArchs()
+    return tuple(int(a) for a in archs)
+
+
+def _check(result, what: str) -> None:
+    from cuda.bindings import nvrtc
+    if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise CompileError(f"kv-canary: {what} failed with {result.name}")
+
+
+def compile_cubin(sources: dict[str, str], prelude: str, arch: int,
+                  options: tuple[str, ...] = OPTIONS) -> bytes:
+    """Compile every .cu of ``sources`` as one NVRTC program for sm_<arch>; return the cubin."""
+    from cuda.bindings import nvrtc
+    main = "".join(f'#include "{name}"\n' for name in sources if name.endswith(".cu"))
+    headers = {PRELUDE_NAME: prelude, **sources}
+    err, prog = nvrtc.nvrtcCreateProgram(main.encode(), b"kvcanary_kernels.cu", len(headers),
+                                         [v.encode() for v in headers.values()],
+                                         [k.encode() for k in headers])
+    _check(err, "nvrtcCreateProgram")
+    opts = (*options, f"--gpu-architecture=sm_{arch}")
+    try:
+        (result,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        err, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        log = b" " * size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        log_text = log.rstrip(b"\0 ").decode(errors="replace")
+        if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            named = [n for n in headers if re.search(rf"\b{re.escape(n)}\(\d+\)", log_text)]
+            shown = "\n".join(f"// ===== {n}\n{headers[n]}" for n in (named or list(sources)))
+            raise CompileError(f"kv-canary: NVRTC could not compile the kernels for sm_{arch} "
+                               f"({result.name}); expected a clean compile of kernels_src. Fix: "
+                               f"correct the source named in the log below.",
+                               log=log_text, options=opts, source=shown)
+        err, size = nvrtc.nvrtcGetCUBINSize(prog)
+        _check(err, "nvrtcGetCUBINSize")
+        cubin = b" " * size
+        _check(nvrtc.nvrtcGetCUBIN(prog, cubin)[0], "nvrtcGetCUBIN")
+        return cubin
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+@dataclass
+class CompiledKernels:
+    """Cubins by arch plus what the doctor reports about how they were obtained."""
+
+    cubins: dict[int, bytes]
+    nvrtc_version: tuple[int, int]
+    cache_dir: Path | None
+    hits: int
+    misses: int
+    skipped_archs: tuple[int, ...] = ()
+    keys: dict[int, str] = field(default_factory=dict)
+
+
+def load_kernels(archs: tuple[int, ...] | None = None, cache: CubinCache | None = None) -> CompiledKernels:
+    """Cubins for every arch, from the cache when possible, compiled (in parallel) otherwise."""
+    from . import __version__
+    archs = archs or configured_archs()
+    cache = cache if cache is not None else CubinCache(default_dir())
+    version = nvrtc_version()
+    available = set(supported_archs())
+    skipped = tuple(a for a in archs if a not in available)
+    if skipped:
+        warnings.warn(f"kv-canary: NVRTC {version[0]}.{version[1]} cannot target sm_{skipped}; "
+                      f"skipping them (supported: {sorted(available)}). Fix: set KVCANARY_ARCHS to "
+                      f"supported archs or upgrade nvidia-cuda-nvrtc.", RuntimeWarning, stacklevel=2)
+    archs = tuple(a for a in archs if a in available)
+    sources, prelude = read_sources(), abi.render_prelude()
+    keys = {a: cache_key(schema="kvcanary-kernels/1", kvcanary=__version__, nvrtc=version, arch=a,
+                         options=tuple(sorted(OPTIONS)), prelude=prelude.encode(),
+                         sources=tuple((n, s.encode()) for n, s in sources.items()))
+            for a in archs}
+    hits0, misses0 = cache.hits, cache.misses
+    cubins = {a: c for a in archs if (c := cache.get(keys[a])) is not None}
+    todo = [a for a in archs if a not in cubins]
+    if todo:
+        with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1)) as pool:
+            for a, cubin in zip(todo, pool.map(lambda a: compile_cubin(sources, prelude, a), todo)):
+                cache.put(keys[a], cubin)
+                cubins[a] = cubin
+    return CompiledKernels(cubins=cubins, nvrtc_version=version, cache_dir=cache.directory,
+                           hits=cache.hits - hits0, misses=cache.misses - misses0,
+                           skipped_archs=skipped, keys=keys)

@@ -1,0 +1,306 @@
+"""DLPack in both directions, with ctypes only (DLPack 1.x: legacy and versioned capsules).
+
+Import: ``import_capsule(capsule)`` reads a ``"dltensor"`` or ``"dltensor_versioned"`` capsule,
+renames it ``"used_dltensor"`` / ``"used_dltensor_versioned"`` (the consumer's duty under the
+DLPack spec) and returns a ``DlpackTensor`` whose ``owner`` calls the producer's deleter exactly
+once, when the owner is garbage-collected (or ``owner.release()`` is called). Nothing is copied.
+Every check runs before the rename, so a rejected capsule stays the producer's to free.
+
+Export: ``make_capsule(...)`` describes memory kvcanary owns (host or device) as a capsule that
+CuPy, JAX, torch or numpy can consume. The managed tensor, its deleter and the capsule destructor
+are numpy's C implementation: a zero-copy numpy array over the address (never dereferenced here)
+whose base keeps ``owner`` alive is exported with ``ndarray.__dlpack__`` and its device and dtype
+fields are then patched in place. This is deliberate: a ctypes callback used as a capsule
+destructor or deleter runs Python code while an exception may be in flight (a capsule dropped
+during unwinding) and clobbers it, which C destructors avoid with PyErr_Fetch/PyErr_Restore.
+
+This module never imports torch, CuPy, JAX or the CUDA driver.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import ValidationError, ValidationTypeError
+
+# ---- device types and dtype codes (dlpack.h, v1.1) ------------------------------------------------
+kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged = 1, 2, 3, 13
+DEVICE_NAMES = {1: "CPU", 2: "CUDA", 3: "CUDAHost", 4: "OpenCL", 7: "Vulkan", 8: "Metal", 9: "VPI",
+                10: "ROCM", 11: "ROCMHost", 12: "ExtDev", 13: "CUDAManaged", 14: "OneAPI",
+                15: "WebGPU", 16: "Hexagon", 17: "MAIA"}
+HOST_DEVICE_TYPES = (kDLCPU, kDLCUDAHost)        # host-accessible memory: viewed as a host array
+CUDA_DEVICE_TYPES = (kDLCUDA, kDLCUDAManaged)    # device memory with a CUDA ordinal
+
+kDLInt, kDLUInt, kDLFloat, kDLOpaqueHandle, kDLBfloat, kDLComplex, kDLBool = range(7)
+NAMED_CODES = {4: "bfloat16", 7: "float8_e3m4", 8: "float8_e4m3", 9: "float8_e4m3b11fnuz",
+               10: "float8_e4m3fn", 11: "float8_e4m3fnuz", 12: "float8_e5m2", 13: "float8_e5m2fnuz",
+               14: "float8_e8m0fnu", 15: "float6_e2m3fn", 16: "float6_e3m2fn", 17: "float4_e2m1fn"}
+_NAMED_BITS = {4: 16, 15: 6, 16: 6, 17: 4}       # every other named code is 8 bits
+_NUMPY_KIND_CODES = {"i": kDLInt, "u": kDLUInt, "f": kDLFloat, "c": kDLComplex, "b": kDLBool}
+_CODE_KINDS = {v: k for k, v in _NUMPY_KIND_CODES.items()}
+
+FLAG_READ_ONLY = 1 << 0
+FLAG_IS_COPIED = 1 << 1
+FLAG_IS_SUBBYTE_TYPE_PADDED = 1 << 2
+
+
+# ---- structs (dlpack.h). Deleters are held as raw addresses and called through _DELETER. ----------
+class DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", ctypes.c_void_p)]
+
+
+class DLPackVersion(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
+
+
+class DLManagedTensorVersioned(ctypes.Structure):
+    _fields_ = [("version", DLPackVersion), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", ctypes.c_void_p), ("flags", ctypes.c_uint64), ("dl_tensor", DLTensor)]
+
+
+# PYFUNCTYPE keeps the GIL held during the call: safe for deleters that assume it and for those
+# that take it themselves with PyGILState_Ensure.
+_DELETER = ctypes.PYFUNCTYPE(None, ctypes.c_void_p)
+
+
+# ---- capsule API -------------------------------------------------------------------------------------
+def _capi(fn_name, restype, *argtypes):
+    fn = getattr(ctypes.pythonapi, fn_name)
+    fn.restype, fn.argtypes = restype, list(argtypes)
+    return fn
+
+
+_is_valid = _capi("PyCapsule_IsValid", ctypes.c_int, ctypes.py_object, ctypes.c_char_p)
+_get_pointer = _capi("PyCapsule_GetPointer", ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)
+_get_name = _capi("PyCapsule_GetName", ctypes.c_char_p, ctypes.py_object)
+_set_name = _capi("PyCapsule_SetName", ctypes.c_int, ctypes.py_object, ctypes.c_void_p)
+
+
+def _immortal_name(text: bytes):
+    """A NUL-terminated name that is never freed: a capsule keeps the bare pointer we give it."""
+    buf = ctypes.create_string_buffer(text)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(buf))
+    return buf
+
+
+_USED_NAMES = {False: _immortal_name(b"used_dltensor"), True: _immortal_name(b"used_dltensor_versioned")}
+
+
+def is_capsule(obj) -> bool:
+    return type(obj).__name__ == "PyCapsule"
+
+
+# ---- dtypes ------------------------------------------------------------------------------------------
+def stand_in(itemsize: int) -> np.dtype:
+    """The numpy dtype used in place of one numpy lacks: an unsigned int of the same size."""
+    return np.dtype({1: "u1", 2: "<u2", 4: "<u4", 8: "<u8"}.get(itemsize, f"V{itemsize}"))
+
+
+def describe_dtype(code: int, bits: int, lanes: int, padded: bool = False) -> tuple[np.dtype, str]:
+    """(numpy dtype or same-size stand-in, canonical name) for a DLPack (code, bits, lanes)."""
+    total = bits * lanes
+    if total % 8 == 0 and total > 0:
+        itemsize = total // 8
+    elif padded and lanes == 1 and 0 < bits < 8:
+        itemsize = 1
+    else:
+        raise ValidationTypeError(
+            f"kv-canary: expected DLPack elements that occupy whole bytes, got dtype (code={code}, "
+            f"bits={bits}, lanes={lanes}) with packed sub-byte elements. Fix: export the tensor "
+            f"viewed as uint8 (e.g. t.view(torch.uint8)) so every element is addressable by byte.")
+    suffix = f"_x{lanes}" if lanes > 1 else ""
+    if lanes == 1 and code in _CODE_KINDS and (code != kDLBool or bits == 8):
+        try:
+            dt = np.dtype(f"{_CODE_KINDS[code]}{itemsize}")
+            return dt, dt.name
+        except TypeError:
+            pass
+    name = NAMED_CODES.get(code, f"dlpack({code},{bits})") + suffix
+    return stand_in(itemsize), name
+
+
+def dl_dtype(dtype) -> tuple[int, int, int]:
+    """(code, bits, lanes) for a numpy dtype or a name such as "bfloat16" / "torch.float8_e5m2"."""
+    if isinstance(dtype, str):
+        name = dtype[6:] if dtype.startswith("torch.") else dtype
+        base, _, lanes = name.partition("_x")
+        for code, known in NAMED_CODES.items():
+            if base == known and (lanes == "" or lanes.isdigit()):
+                return code, _NAMED_BITS.get(code, 8), int(lanes or 1)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or dt.kind not in _NUMPY_KIND_CODES or not dt.isnative:
+        raise ValidationTypeError(
+            f"kv-canary: expected a DLPack-representable dtype (numpy int/uint/float/complex/bool or "
+            f"one of {sorted(NAMED_CODES.values())}), got {dtype!r}. Fix: export the buffer as "
+            f"uint8 or pass one of those names.")
+    return _NUMPY_KIND_CODES[dt.kind], dt.itemsize * 8, 1
+
+
+# ---- numpy over raw memory ---------------------------------------------------------------------------
+class _Memory:
+    """Exposes an address through ``__array_interface__`` and keeps ``owner`` alive."""
+
+    def __init__(self, ptr, shape, strides, dtype, readonly, owner):
+        self.__array_interface__ = {"data": (int(ptr), bool(readonly)), "shape": tuple(shape),
+                                    "strides": tuple(strides), "typestr": np.dtype(dtype).str,
+                                    "version": 3}
+        self.owner = owner
+
+
+def ndarray_at(ptr, shape, strides, dtype, *, readonly, owner) -> np.ndarray:
+    """A zero-copy numpy array over ``ptr`` (byte strides) whose base keeps ``owner`` alive.
+
+    The memory is not touched here; it must be host-accessible before the array is read."""
+    return np.asarray(_Memory(ptr, shape, strides, dtype, readonly, owner))
+
+
+# ---- import ------------------------------------------------------------------------------------------
+class DlpackOwner:
+    """Owns one consumed managed tensor: calls its deleter exactly once, when collected."""
+
+    __slots__ = ("_managed", "_deleter", "capsule", "producer", "__weakref__")
+
+    def __init__(self, managed: int, deleter: int | None, capsule, producer):
+        self._managed, self._deleter = managed, deleter
+        self.capsule, self.producer = capsule, producer
+
+    def release(self) -> None:
+        deleter, self._deleter = self._deleter, None
+        if deleter:
+            _DELETER(deleter)(self._managed)
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - a deleter must never raise out of garbage collection
+            pass
+
+
+@dataclass(frozen=True)
+class DlpackTensor:
+    ptr: int                             # data + byte_offset
+    shape: tuple[int, ...]
+    strides: tuple[int, ...] | None      # in ELEMENTS, None = C-contiguous
+    dtype: np.dtype
+    dtype_name: str
+    device_type: int
+    device_id: int
+    readonly: bool
+    owner: DlpackOwner
+
+
+def _ints(ptr, n) -> tuple[int, ...]:
+    return tuple(int(ptr[i]) for i in range(n))
+
+
+def import_capsule(capsule, producer=None) -> DlpackTensor:
+    """Consume a DLPack capsule (see the module docstring for the ownership contract)."""
+    versioned = bool(_is_valid(capsule, b"dltensor_versioned"))
+    if not versioned and not _is_valid(capsule, b"dltensor"):
+        got = _get_name(capsule) if is_capsule(capsule) else type(capsule).__name__
+        raise ValidationTypeError(
+            f"kv-canary: expected an unconsumed DLPack capsule named 'dltensor' or "
+            f"'dltensor_versioned', got {got!r}. Fix: call __dlpack__() again for a fresh capsule; "
+            f"each capsule can be consumed once.")
+    name = b"dltensor_versioned" if versioned else b"dltensor"
+    addr = _get_pointer(capsule, name)
+    flags = 0
+    if versioned:
+        managed = DLManagedTensorVersioned.from_address(addr)
+        if managed.version.major != 1:
+            raise ValidationError(
+                f"kv-canary: expected a DLPack 1.x capsule, got version {managed.version.major}."
+                f"{managed.version.minor}. Fix: ask the producer for max_version=(1, 0) or upgrade "
+                f"kvcanary.")
+        flags = int(managed.flags)
+    else:
+        managed = DLManagedTensor.from_address(addr)
+    t = managed.dl_tensor
+    if flags & FLAG_IS_COPIED:
+        raise ValidationError(
+            "kv-canary: expected a zero-copy DLPack view, got a capsule flagged IS_COPIED (writes "
+            "to the original would be invisible). Fix: export the array itself, without copy=True "
+            "or a dl_device transfer.")
+    dtype, dtype_name = describe_dtype(t.dtype.code, t.dtype.bits, t.dtype.lanes,
+                                       bool(flags & FLAG_IS_SUBBYTE_TYPE_PADDED))
+    shape = _ints(t.shape, t.ndim)
+    strides = _ints(t.strides, t.ndim) if t.strides else None
+    fields = ((t.data or 0) + t.byte_offset, shape, strides, dtype, dtype_name,
+              int(t.device.device_type), int(t.device.device_id), bool(flags & FLAG_READ_ONLY))
+    if _set_name(capsule, ctypes.addressof(_USED_NAMES[versioned])) != 0:
+        raise ValidationError("kv-canary: expected to rename the consumed DLPack capsule, got a "
+                              "failure from PyCapsule_SetName. Fix: pass a fresh capsule.")
+    return DlpackTensor(*fields, DlpackOwner(addr, managed.deleter, capsule, producer))
+
+
+# ---- export ------------------------------------------------------------------------------------------
+def make_capsule(ptr: int, shape, dtype, device_type: int, device_id: int, owner,
+                 strides_bytes=None, readonly: bool = False, versioned: bool = False):
+    """A fresh DLPack capsule describing ``ptr`` (host or device memory, never touched here).
+
+    ``owner`` is kept alive until the consumer calls the deleter, or, if the capsule is never
+    consumed, until the capsule is collected; it is released exactly once. ``strides_bytes``
+    (None = C-contiguous) must be multiples of the element size. A read-only buffer needs
+    ``versioned=True``: legacy capsules cannot signal read-only."""
+    code, bits, lanes = dl_dtype(dtype)
+    itemsize = bits * lanes // 8
+    if itemsize * 8 != bits * lanes:
+        raise ValidationTypeError(
+            f"kv-canary: expected whole-byte elements to export, got {dtype!r} ({bits}x{lanes} "
+            f"bits). Fix: export the buffer as uint8.")
+    shape = tuple(int(n) for n in shape)
+    if strides_bytes is None:
+        strides_bytes, step = [], itemsize
+        for n in reversed(shape):
+            strides_bytes.insert(0, step)
+            step *= max(n, 1)
+    strides_bytes = tuple(int(s) for s in strides_bytes)
+    if len(strides_bytes) != len(shape) or any(s % itemsize for s in strides_bytes):
+        raise ValidationError(
+            f"kv-canary: make_capsule expected {len(shape)} byte strides that are multiples of "
+            f"the element size {itemsize}, got {strides_bytes}. Fix: export a uint8 view instead.")
+    if readonly and not versioned:
+        raise ValidationError(
+            "kv-canary: make_capsule expected versioned=True for a read-only buffer, got "
+            "versioned=False (legacy DLPack cannot signal read-only). Fix: pass versioned=True, "
+            "i.e. only export to consumers that ask with max_version >= (1, 0).")
+    if not ptr and all(shape):
+        raise ValidationError("kv-canary: make_capsule expected a non-NULL pointer for a "
+                              f"non-empty buffer, got ptr=0 with shape {shape}. Fix: allocate it.")
+    carrier = ndarray_at(ptr, shape, strides_bytes, stand_in(itemsize), readonly=readonly,
+                         owner=owner)
+    capsule = carrier.__dlpack__(max_version=(1, 0)) if versioned else carrier.__dlpack__()
+    name = b"dltensor_versioned" if versioned else b"dltensor"
+    addr = _get_pointer(capsule, name)
+    managed = (DLManagedTensorVersioned if versioned else DLManagedTensor).from_address(addr)
+    if versioned and code >= 7 and managed.version.minor < 1:
+        managed.version.minor = 1      # the fp8/fp6/fp4 codes arrived in DLPack 1.1
+    t = managed.dl_tensor
+    t.device.device_type, t.device.device_id = int(device_type), int(device_id)
+    t.dtype.code, t.dtype.bits, t.dtype.lanes = code, bits, lanes
+    if all(shape) and (t.data or 0) + t.byte_offset != int(ptr):
+        raise ValidationError(f"kv-canary: make_capsule expected numpy to export address "
+                              f"{int(ptr):#x}, got {(t.data or 0) + t.byte_offset:#x}. Fix: report "
+                              f"this numpy version as unsupported.")
+    return capsule

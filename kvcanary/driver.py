@@ -1,0 +1,207 @@
+"""CUDA driver runtime: initialised on the first launch, never at import.
+
+Per device: ``cuInit``, the primary context (shared with torch, CuPy and JAX), ``cuLibraryLoadData``
+of the cubin for the device's arch, and a check of every kernel's parameter size against the
+ctypes struct of abi.py. A launch is one ``cuLaunchKernel`` with the params struct passed by value
+through a pointer array. Thread-safe; one runtime per device ordinal.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from dataclasses import dataclass, field
+
+from . import abi
+from .errors import DriverError, NoCudaDriverError
+
+_lock = threading.Lock()
+_initialised = False
+_runtimes: dict[int, "DeviceRuntime"] = {}
+_compiled = None  # set by kvcanary/__init__.py: compile.CompiledKernels
+
+# Stream handles with a meaning of their own (cuda.h): never chosen implicitly.
+LEGACY_STREAM = 0x1
+PER_THREAD_STREAM = 0x2
+
+
+def _driver():
+    from cuda.bindings import driver
+    return driver
+
+
+def check(result, operation: str, hint: str = ""):
+    """Unpack a cuda.bindings return tuple, raising DriverError on any CUresult but SUCCESS."""
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        raise DriverError(operation, getattr(err, "name", str(err)), hint)
+    return rest[0] if len(rest) == 1 else tuple(rest)
+
+
+def init() -> None:
+    """cuInit once per process. No driver, or no device, becomes NoCudaDriverError."""
+    global _initialised
+    if _initialised:
+        return
+    with _lock:
+        if _initialised:
+            return
+        try:
+            (err,) = _driver().cuInit(0)
+        except Exception as exc:  # cuda.pathfinder raises DynamicLibNotFoundError without libcuda
+            raise NoCudaDriverError(f"{type(exc).__name__}: {exc}") from None
+        if int(err) != 0:
+            raise NoCudaDriverError(f"cuInit returned {getattr(err, 'name', err)}")
+        _initialised = True
+
+
+def device_count() -> int:
+    init()
+    return int(check(_driver().cuDeviceGetCount(), "cuDeviceGetCount"))
+
+
+def driver_version() -> int:
+    init()
+    return int(check(_driver().cuDriverGetVersion(), "cuDriverGetVersion"))
+
+
+def pointer_device(ptr: int) -> int:
+    """Device ordinal of a device pointer (for producers that do not say, like raw CAI)."""
+    init()
+    d = _driver()
+    attr = d.CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+    return int(check(d.cuPointerGetAttribute(attr, ptr), "cuPointerGetAttribute(DEVICE_ORDINAL)",
+                     "expected a pointer to CUDA device memory"))
+
+
+@dataclass
+class DeviceRuntime:
+    """The loaded kernels of one device and how to launch them."""
+
+    ordinal: int
+    context: int
+    capability: tuple[int, int]
+    sm_count: int
+    arch: int
+    functions: dict[str, object] = field(default_factory=dict)
+    library: object = None
+
+    def enter(self) -> bool:
+        """Make this device's primary context current; True if one had to be pushed.
+
+        Pushing (instead of setting) leaves the caller's context, e.g. torch's current device,
+        exactly as it was once :meth:`leave` pops it.
+        """
+        d = _driver()
+        err, current = d.cuCtxGetCurrent()
+        if int(err) == 0 and int(current) == self.context:
+            return False
+        check(d.cuCtxPushCurrent(d.CUcontext(self.context)), "cuCtxPushCurrent")
+        return True
+
+    def leave(self, pushed: bool) -> None:
+        if pushed:
+            check(_driver().cuCtxPopCurrent(), "cuCtxPopCurrent")
+
+    def call(self, fn, *args):
+        """Run a driver call with this device's context current; returns its raw result tuple."""
+        pushed = self.enter()
+        try:
+            return fn(*args)
+        finally:
+            self.leave(pushed)
+
+    def launch(self, name: str, grid: int, block: int, args_address: int, stream: int) -> None:
+        """Launch ``name`` with a prepacked ``void*[1]`` at ``args_address`` on ``stream``."""
+        pushed = self.enter()
+        try:
+            (err,) = _driver().cuLaunchKernel(self.functions[name], grid, 1, 1, block, 1, 1, 0,
+                                              stream, args_address, 0)
+        finally:
+            self.leave(pushed)
+        if int(err) != 0:
+            raise DriverError(f"cuLaunchKernel({name}, grid={grid}, block={block})", err.name)
+
+    def launch_struct(self, name: str, grid: int, block: int, params: ctypes.Structure, stream: int) -> None:
+        expected = abi.CTYPES[abi.KERNELS[name]]
+        if type(params) is not expected:
+            raise TypeError(f"kv-canary: kernel {name} takes {expected.__name__}, got {type(params).__name__}")
+        ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        self.launch(name, grid, block, ctypes.addressof(ptrs), stream)  # params, ptrs alive until return
+
+    def global_address(self, name: str) -> tuple[int, int]:
+        d = _driver()
+        ptr, size = check(self.call(d.cuLibraryGetGlobal, self.library, name.encode()),
+                          f"cuLibraryGetGlobal({name})")
+        return int(ptr), int(size)
+
+
+def _pick_cubin(cubins: dict[int, bytes], capability: tuple[int, int]) -> int | None:
+    """Highest compiled arch a device can run: same major, minor not above the device's."""
+    major, minor = capability
+    fits = [a for a in cubins if a // 10 == major and a % 10 <= minor]
+    return max(fits) if fits else None
+
+
+def _load(ordinal: int) -> DeviceRuntime:
+    d = _driver()
+    count = device_count()
+    if not 0 <= ordinal < count:
+        raise DriverError(f"cuDeviceGet({ordinal})", "CUDA_ERROR_INVALID_DEVICE",
+                          f"expected a device ordinal in [0, {count})")
+    dev = check(d.cuDeviceGet(ordinal), f"cuDeviceGet({ordinal})")
+    A = d.CUdevice_attribute
+    major = int(check(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev), "cuDeviceGetAttribute"))
+    minor = int(check(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev), "cuDeviceGetAttribute"))
+    sms = int(check(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev), "cuDeviceGetAttribute"))
+    ctx = check(d.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
+    check(d.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+    try:
+        return _load_library(ordinal, int(ctx), (major, minor), sms)
+    finally:
+        check(d.cuCtxPopCurrent(), "cuCtxPopCurrent")
+
+
+def _load_library(ordinal: int, ctx: int, capability: tuple[int, int], sms: int) -> DeviceRuntime:
+    d = _driver()
+    major, minor = capability
+    from . import compile as nvrtc_compile
+    compiled = _compiled
+    arch = _pick_cubin(compiled.cubins, (major, minor)) if compiled else None
+    if arch is None:  # an arch outside the configured list: compile it now (and cache it)
+        arch = major * 10 + minor
+        compiled = nvrtc_compile.load_kernels((arch,))
+    cubin = compiled.cubins[arch]
+    library = check(d.cuLibraryLoadData(cubin, None, None, 0, None, None, 0), "cuLibraryLoadData",
+                    f"loading the sm_{arch} cubin on device {ordinal} (sm_{major}{minor})")
+    rt = DeviceRuntime(ordinal=ordinal, context=ctx, capability=capability, sm_count=sms,
+                       arch=arch, library=library)
+    for name, struct_name in abi.KERNELS.items():
+        kernel = check(d.cuLibraryGetKernel(library, name.encode()), f"cuLibraryGetKernel({name})")
+        _check_param_size(kernel, name, ctypes.sizeof(abi.CTYPES[struct_name]))
+        rt.functions[name] = check(d.cuKernelGetFunction(kernel), f"cuKernelGetFunction({name})")
+    return rt
+
+
+def _check_param_size(kernel, name: str, expected: int) -> None:
+    d = _driver()
+    offset, size = check(d.cuKernelGetParamInfo(kernel, 0), f"cuKernelGetParamInfo({name}, 0)")
+    err, *_ = d.cuKernelGetParamInfo(kernel, 1)
+    if int(offset) != 0 or int(size) != expected or int(err) == 0:
+        raise DriverError(f"load of kernel {name}", "ABI_MISMATCH",
+                          f"expected one parameter of {expected} bytes (ctypes sizeof), the cubin "
+                          f"declares {size} bytes at offset {offset}"
+                          + (" and more parameters" if int(err) == 0 else "")
+                          + ". Fix: clear the compile cache (KVCANARY_CACHE_DIR) and reinstall kvcanary")
+
+
+def runtime(ordinal: int) -> DeviceRuntime:
+    """The runtime of device ``ordinal``, loading it on first use (thread-safe)."""
+    rt = _runtimes.get(ordinal)
+    if rt is None:
+        init()
+        with _lock:
+            rt = _runtimes.get(ordinal)
+            if rt is None:
+                rt = _runtimes[ordinal] = _load(ordinal)
+    return rt

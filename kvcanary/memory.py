@@ -1,0 +1,133 @@
+"""Library-owned device memory, so a CuPy, JAX or raw-pointer pipeline needs no torch.
+
+:class:`DeviceArray` is a ``cuMemAlloc`` allocation with a shape and a dtype that exports both
+``__cuda_array_interface__`` (v3) and ``__dlpack__``; it is freed when the last reference (the
+array or a consumer's DLPack capsule) goes away. Plus the few copies and fills the library needs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import driver
+from .driver import check
+
+KDL_CUDA = 2
+
+
+class _Allocation:
+    """Owns one cuMemAlloc block; frees it in its device's context when collected."""
+
+    def __init__(self, rt: driver.DeviceRuntime, nbytes: int):
+        d = driver._driver()
+        self.rt, self.nbytes = rt, nbytes
+        self.ptr = int(check(rt.call(d.cuMemAlloc, max(nbytes, 1)), f"cuMemAlloc({nbytes})",
+                             "the GPU is out of memory"))
+
+    def __del__(self):
+        ptr, self.ptr = getattr(self, "ptr", 0), 0
+        if ptr:
+            try:
+                self.rt.call(driver._driver().cuMemFree, ptr)
+            except Exception:  # interpreter shutdown: the context is going away anyway
+                pass
+
+
+class DeviceArray:
+    """A C-contiguous array in device memory owned by kvcanary."""
+
+    def __init__(self, shape, dtype, device: int = 0):
+        self.shape = tuple(int(s) for s in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+        self.dtype = np.dtype(dtype)
+        self.device = int(device)
+        self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        self._alloc = _Allocation(driver.runtime(self.device), self.nbytes)
+        self.ptr = self._alloc.ptr
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        out, acc = [], self.dtype.itemsize
+        for extent in reversed(self.shape):
+            out.append(acc)
+            acc *= extent
+        return tuple(reversed(out))
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return {"shape": self.shape, "typestr": self.dtype.str, "data": (self.ptr, False),
+                "strides": None, "version": 3, "stream": None}
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        from .dlpack import make_capsule
+        versioned = max_version is not None and tuple(max_version) >= (1, 0)
+        return make_capsule(self.ptr, self.shape, self.dtype, KDL_CUDA, self.device, self,
+                            versioned=versioned)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (KDL_CUDA, self.device)
+
+    def __repr__(self) -> str:
+        return f"DeviceArray(shape={self.shape}, dtype={self.dtype}, device={self.device})"
+
+    # ---- copies (synchronous unless a stream is given) --------------------------------------
+    def copy_from_host(self, host: np.ndarray, stream: int | None = None) -> "DeviceArray":
+        host = np.ascontiguousarray(host, dtype=self.dtype)
+        if host.nbytes != self.nbytes:
+            raise ValueError(f"kv-canary: copy_from_host expected {self.nbytes} bytes "
+                             f"(shape {self.shape}, {self.dtype}), got {host.nbytes} (shape {host.shape})")
+        d, rt = driver._driver(), self._alloc.rt
+        if stream is None:
+            check(rt.call(d.cuMemcpyHtoD, self.ptr, host.ctypes.data, host.nbytes), "cuMemcpyHtoD")
+        else:
+            check(rt.call(d.cuMemcpyHtoDAsync, self.ptr, host.ctypes.data, host.nbytes, stream), "cuMemcpyHtoDAsync")
+        return self
+
+    def numpy(self) -> np.ndarray:
+        """A synchronous copy to host (waits for all work on the device's context)."""
+        out = np.empty(self.shape, self.dtype)
+        d, rt = driver._driver(), self._alloc.rt
+        check(rt.call(d.cuCtxSynchronize), "cuCtxSynchronize")
+        check(rt.call(d.cuMemcpyDtoH, out.ctypes.data, self.ptr, self.nbytes), "cuMemcpyDtoH")
+        return out
+
+    def zero_(self, stream: int | None = None) -> "DeviceArray":
+        d, rt = driver._driver(), self._alloc.rt
+        if stream is None:
+            check(rt.call(d.cuMemsetD8, self.ptr, 0, self.nbytes), "cuMemsetD8")
+        else:
+            check(rt.call(d.cuMemsetD8Async, self.ptr, 0, self.nbytes, stream), "cuMemsetD8Async")
+        return self
+
+
+def empty(shape, dtype, device: int = 0) -> DeviceArray:
+    return DeviceArray(shape, dtype, device)
+
+
+def zeros(shape, dtype, device: int = 0) -> DeviceArray:
+    return DeviceArray(shape, dtype, device).zero_()
+
+
+def to_device(host: np.ndarray, device: int = 0) -> DeviceArray:
+    host = np.asarray(host)
+    return DeviceArray(host.shape, host.dtype, device).copy_from_host(host)
+
+
+def copy_async(dst_ptr: int, src_ptr: int, nbytes: int, stream: int, device: int) -> None:
+    """Any-direction async copy under unified addressing (device, pinned host)."""
+    d = driver._driver()
+    check(driver.runtime(device).call(d.cuMemcpyAsync, dst_ptr, src_ptr, nbytes, stream), "cuMemcpyAsync")
+
+
+def copy_from_host_ptr(dst_ptr: int, host: np.ndarray, device: int) -> None:
+    """Synchronous host -> device copy of ``host`` to ``dst_ptr``."""
+    host = np.ascontiguousarray(host)
+    d = driver._driver()
+    check(driver.runtime(device).call(d.cuMemcpyHtoD, dst_ptr, host.ctypes.data, host.nbytes), "cuMemcpyHtoD")
+
+
+def copy_to_host_ptr(host: np.ndarray, src_ptr: int, device: int) -> np.ndarray:
+    """Synchronous device -> host copy into ``host`` after the device's pending work."""
+    d, rt = driver._driver(), driver.runtime(device)
+    check(rt.call(d.cuCtxSynchronize), "cuCtxSynchronize")
+    check(rt.call(d.cuMemcpyDtoH, host.ctypes.data, src_ptr, host.nbytes), "cuMemcpyDtoH")
+    return host

@@ -1,0 +1,403 @@
+"""The CPU reference backend: the executable spec of the verify, write and plan kernels.
+
+Every function takes numpy arrays shaped and typed like the device buffers of the CUDA ABI and
+mutates them in place exactly as the kernels mutate device memory (SPEC §5–§8): canary buffer
+uint8 ``[num_slots, stride]`` (stride >= 32, a multiple of 8, fields little-endian int64), plan
+arrays int64, flags and ``write_index`` int32 ``[1]``, counters int64 ``[1]``, ring int64
+``[capacity, 8]``. Hashes are stored as int64 bit patterns. Nothing here raises on bad device
+data (out-of-range slots become SLOT_OUT_OF_RANGE rows, as on the GPU); host-side checks that the
+launcher performs (shapes, dtypes, source bounds) are assumed done. Rows are appended in entry
+order (verify) and request-then-entry order (write); the GPU may order them differently.
+This module imports only numpy and kvcanary; never CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from kvcanary.abi import (
+    FIELD_POSITION, FIELD_PREV_HASH, FIELD_REAL_KV_HASH, FIELD_TOKEN, FIELDS_PER_SLOT, RING_COLS,
+    FailReason,
+)
+from kvcanary.hashing import ANCHOR_HASH, mix3, mix3_np, sm_np, to_i64
+
+_ANCHOR_I64 = to_i64(ANCHOR_HASH)
+_CHAIN = int(FailReason.VERIFY_CHAIN_HASH_MISMATCH)
+_POSITION = int(FailReason.VERIFY_POSITION_MISMATCH)
+_REAL_KV = int(FailReason.VERIFY_REAL_KV_HASH_MISMATCH)
+_TOKEN = int(FailReason.VERIFY_TOKEN_MISMATCH)
+_W_TOKEN = int(FailReason.WRITE_TOKEN_MISMATCH)
+_W_POSITION = int(FailReason.WRITE_POSITION_MISMATCH)
+_OOB = int(FailReason.SLOT_OUT_OF_RANGE)
+_GATHER_BYTES = 1 << 24  # bound on the temporary byte matrix of one fingerprint chunk
+
+
+class RefSource(NamedTuple):
+    """One real-KV source as the reference reads it (SPEC §4), hash mode already resolved.
+
+    ``data`` is uint8 2-D with a contiguous inner dimension; rows may be strided (a view into a
+    larger buffer, never copied). Slot s reads ``hash_bytes`` bytes of row ``s // page_size``
+    starting at byte ``(s % page_size) * bytes_per_token``.
+    """
+
+    data: np.ndarray
+    page_size: int
+    bytes_per_token: int
+    hash_bytes: int
+
+
+# ---- hashing of slots ------------------------------------------------------------------------------
+def _source_hash(slots: np.ndarray, src: RefSource) -> np.ndarray:
+    data, ps, bpt, hb = src.data, int(src.page_size), int(src.bytes_per_token), int(src.hash_bytes)
+    if data.dtype != np.uint8 or data.ndim != 2 or (data.shape[1] > 1 and data.strides[1] != 1):
+        raise ValueError(f"kv-canary: RefSource.data must be uint8 2-D with a contiguous inner "
+                         f"dimension, got dtype {data.dtype}, shape {data.shape}, strides {data.strides}")
+    if (ps - 1) * bpt + hb <= data.shape[1]:
+        # [rows, page_size, hash_bytes] view: every byte it exposes lies inside its row.
+        tokens = np.lib.stride_tricks.as_strided(
+            data, shape=(data.shape[0], ps, hb), strides=(data.strides[0], bpt, 1), writeable=False)
+        gather = lambda s: tokens[s // ps, s % ps]  # noqa: E731
+    else:
+        cols = np.arange(hb, dtype=np.int64)
+        gather = lambda s: data[(s // ps)[:, None], ((s % ps) * bpt)[:, None] + cols]  # noqa: E731
+    out = np.empty(len(slots), dtype=np.uint64)
+    step = max(1, _GATHER_BYTES // max(hb, 1))
+    for lo in range(0, len(slots), step):
+        words = np.ascontiguousarray(gather(slots[lo:lo + step])).view("<u8")
+        h = np.zeros(len(words), dtype=np.uint64)
+        for w in range(words.shape[1]):
+            h = sm_np(h ^ words[:, w])
+        out[lo:lo + step] = h
+    return out
+
+
+def fingerprint(slots, sources: Sequence[RefSource]) -> np.ndarray:
+    """Real-KV fingerprint (SPEC §3) of each slot in ``slots`` (int64, all >= 0) as uint64; 0 if no sources."""
+    slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+    total = np.zeros(len(slots), dtype=np.uint64)
+    for src in sources:
+        total = sm_np(total ^ _source_hash(slots, src))
+    return total
+
+
+def _words(canary: np.ndarray) -> np.ndarray:
+    """int64 ``[num_slots, stride // 8]`` view of the canary buffer (no copy)."""
+    return canary.view("<i8")
+
+
+def _slot_hash_words(words: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    rec = np.take(words, np.maximum(slots, 0), axis=0)
+    h = mix3_np(rec[:, FIELD_PREV_HASH], rec[:, FIELD_TOKEN], rec[:, FIELD_POSITION])
+    return np.where(slots < 0, np.uint64(ANCHOR_HASH), h)
+
+
+def slot_hash(canary: np.ndarray, slots) -> np.ndarray:
+    """``slot_hash`` (SPEC §3) per slot as uint64: sm(ANCHOR) for s < 0; s must be < num_slots."""
+    return _slot_hash_words(_words(canary), np.asarray(slots, dtype=np.int64).reshape(-1))
+
+
+# ---- violation ring ---------------------------------------------------------------------------------
+def _wrap_i32(x):
+    return (np.asarray(x, dtype=np.int64) + (1 << 31)) % (1 << 32) - (1 << 31)
+
+
+def ring_append(ring: np.ndarray, write_index: np.ndarray, rows) -> None:
+    """Append rows in order with the fill-once protocol (SPEC §5).
+
+    For each row: ``i = write_index[0]; write_index[0] += 1`` (int32 wraparound); the row is stored
+    only if ``0 <= i < len(ring)``. Rows that do not fit are counted, never stored.
+    """
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1, RING_COLS)
+    if len(rows) == 0:
+        return
+    start = int(write_index[0])
+    idx = _wrap_i32(start + np.arange(len(rows), dtype=np.int64))
+    keep = (idx >= 0) & (idx < len(ring))
+    ring[idx[keep]] = rows[keep]
+    write_index[0] = int(_wrap_i32(start + len(rows)))
+
+
+def _rows(tag, *cols) -> np.ndarray:
+    n = len(cols[0])
+    out = np.empty((n, RING_COLS), dtype=np.int64)
+    out[:, 0] = int(tag)
+    for j, c in enumerate(cols, start=1):
+        out[:, j] = c
+    return out
+
+
+# ---- verify (SPEC §6) --------------------------------------------------------------------------------
+def verify(*, canary, slot, expected_token, expected_position, prev_slot, num_valid, enable, ring,
+           write_index, kernel_run_counter, slot_run_counter, sources: Sequence[RefSource], tag,
+           check_expected_token) -> None:
+    """One verify launch: check active plan entries, append a ring row per mismatching entry.
+
+    Effects: ``kernel_run_counter += 1`` always; if ``enable[0] != 0``, ``slot_run_counter +=
+    active`` (``active = clamp(num_valid[0], 0, len(slot))``, slot-0 entries included) and rows
+    for entries < active. Slot 0 is skipped. An out-of-range slot gives one SLOT_OUT_OF_RANGE row;
+    an out-of-range predecessor sets CHAIN | SLOT_OUT_OF_RANGE with expected chain 0. Entries past
+    ``active`` are never read. ``canary`` is never modified.
+    """
+    kernel_run_counter[0] += 1
+    if int(enable[0]) == 0:
+        return
+    active = min(max(int(num_valid[0]), 0), len(slot))
+    slot_run_counter[0] += active
+    words = _words(canary)
+    n = words.shape[0]
+    s = slot[:active]
+    p = prev_slot[:active]
+    in_range = (s > 0) & (s < n)
+    oob = (s < 0) | ((s >= n) & (s != 0))
+    rec = np.take(words, s if in_range.all() else np.where(in_range, s, 0), axis=0) if n else \
+        np.zeros((active, FIELDS_PER_SLOT), np.int64)
+    tok, pos = rec[:, FIELD_TOKEN], rec[:, FIELD_POSITION]
+    prev, rkv = rec[:, FIELD_PREV_HASH], rec[:, FIELD_REAL_KV_HASH]
+
+    p_in = (p > 0) & (p < n)
+    ph = _slot_hash_words(words, p if p_in.all() else np.where(p_in, p, 0)).view(np.int64) if n else \
+        np.zeros(active, np.int64)
+    expected_chain = np.where(p == 0, prev, np.where(p < 0, _ANCHOR_I64, np.where(p >= n, 0, ph)))
+    bits = np.where((p != 0) & (prev != expected_chain), _CHAIN, 0)
+    bits |= np.where(p >= n, _CHAIN | _OOB, 0)
+    bits |= np.where(pos != expected_position[:active], _POSITION, 0)
+    if sources:
+        fp = np.zeros(active, dtype=np.int64)
+        idx = np.flatnonzero(in_range)
+        fp[idx] = fingerprint(s[idx], sources).view(np.int64)
+        bits |= np.where(rkv != fp, _REAL_KV, 0)
+    else:
+        bits |= np.where(rkv != 0, _REAL_KV, 0)
+    et = expected_token[:active]
+    if check_expected_token:
+        bits |= np.where((et != -1) & (tok != et), _TOKEN, 0)
+
+    e = np.flatnonzero(oob | (in_range & (bits != 0)))
+    if len(e) == 0:
+        return
+    o = oob[e]
+    ring_append(ring, write_index, _rows(
+        tag, s[e],
+        np.where(o, expected_position[e], pos[e]),
+        np.where(o, 0, tok[e]),
+        np.where(o | (not check_expected_token), -1, et[e]),
+        np.where(o, 0, prev[e]),
+        np.where(o, 0, expected_chain[e]),
+        np.where(o, _OOB, bits[e])))
+
+
+# ---- write (SPEC §7) -----------------------------------------------------------------------------------
+def write(*, canary, offsets, seed, num_valid_reqs, input_ids, positions, out_cache_loc,
+          expected_input_ids=None, expected_positions=None, chain_position_assert=None, ring,
+          write_index, kernel_run_counter, slot_run_counter, sources: Sequence[RefSource],
+          tag) -> None:
+    """One write launch: stamp (token, position, chain hash, fingerprint) into each written slot.
+
+    Request r < clamp(num_valid_reqs[0], 0, len(seed)) owns flat entries [start, end) with
+    ``start = clamp(offsets[r], 0, T)``, ``end = clamp(offsets[r+1], start, T)``. Its chain starts
+    at ``slot_hash(seed[r])`` (a seed >= num_slots gives a SLOT_OUT_OF_RANGE row and the anchor).
+    Entries with slot < 0 are skipped; slot >= num_slots gives a SLOT_OUT_OF_RANGE row and is
+    skipped. Seeds are read before any store. ``kernel_run_counter += 1``; ``slot_run_counter +=``
+    stamped entries. Sources are read, never written.
+    """
+    if (expected_input_ids is None) != (expected_positions is None):
+        raise ValueError("kv-canary: expected_input_ids and expected_positions must be given "
+                         "together, got only one; fix: pass both arrays or neither")
+    kernel_run_counter[0] += 1
+    words = _words(canary)
+    n, T = words.shape[0], len(out_cache_loc)
+    R = min(max(int(num_valid_reqs[0]), 0), len(seed))
+    start = np.clip(offsets[:R], 0, T)
+    length = np.minimum(np.maximum(offsets[1:R + 1], start), T) - start
+    req = np.repeat(np.arange(R), length)
+    first = np.cumsum(length) - length
+    flat = np.arange(len(req))
+    i = start[req] + flat - first[req]
+    s, tok, pos = out_cache_loc[i], input_ids[i], positions[i]
+    ok = (s >= 0) & (s < n)
+
+    sd = seed[:R]
+    seed_ok = (sd >= 0) & (sd < n)
+    assert_on = seed_ok & (chain_position_assert is not None and int(chain_position_assert[0]) != 0)
+    h0 = np.full(R, ANCHOR_HASH, dtype=np.uint64)
+    h0[seed_ok] = _slot_hash_words(words, sd[seed_ok])
+    pos0 = np.zeros(R, dtype=np.int64)
+    pos0[seed_ok] = words[sd[seed_ok], FIELD_POSITION]
+
+    # The chain, serial per request: run[base[r] + j] = running hash before stamped entry j of r.
+    st = np.flatnonzero(ok)
+    st_req = req[st]
+    k = np.bincount(st_req, minlength=R)
+    rank = np.arange(len(st)) - (np.cumsum(k) - k)[st_req]
+    base = np.cumsum(k + 1) - (k + 1)
+    run = np.empty(int((k + 1).sum()), dtype=np.uint64)
+    run[base] = h0
+    by_rank = np.argsort(rank, kind="stable")
+    b_all, t_all, p_all = (base[st_req] + rank)[by_rank], tok[st][by_rank], pos[st][by_rank]
+    lo = 0
+    for c in np.bincount(rank).tolist():  # one step of every request's chain at a time
+        b, t, p = b_all[lo:lo + c], t_all[lo:lo + c], p_all[lo:lo + c]
+        lo += c
+        if c > 8:
+            run[b + 1] = mix3_np(run[b], t, p)
+        else:  # few chains left (a long prefill): Python ints are faster than numpy calls
+            for bb, tt, pp in zip(b.tolist(), t.tolist(), p.tolist()):
+                run[bb + 1] = mix3(int(run[bb]), tt, pp)
+    ok_before = np.cumsum(ok) - ok
+    running = run[base[req] + ok_before - ok_before[first[req]]].view(np.int64)
+
+    rows, keys = [], []
+    bad_seed = np.flatnonzero(sd >= n)
+    zeros = np.zeros(len(bad_seed), dtype=np.int64)
+    rows.append(_rows(tag, sd[bad_seed], zeros - 1, zeros, zeros - 1, zeros, zeros, zeros + _OOB))
+    keys.append((bad_seed, zeros - 1, zeros))
+    bad = np.flatnonzero(s >= n)
+    zeros = np.zeros(len(bad), dtype=np.int64)
+    rows.append(_rows(tag, s[bad], pos[bad], tok[bad], zeros - 1, running[bad], zeros, zeros + _OOB))
+    keys.append((req[bad], bad, zeros + 1))
+    if expected_input_ids is not None:
+        x_tok, x_pos = expected_input_ids[i[st]], expected_positions[i[st]]
+        bits = (np.where(tok[st] != x_tok, _W_TOKEN, 0) | np.where(pos[st] != x_pos, _W_POSITION, 0))
+        m = np.flatnonzero(bits)
+        e = st[m]
+        rows.append(_rows(tag, s[e], pos[e], tok[e], x_tok[m], running[e], x_pos[m], bits[m]))
+        keys.append((req[e], e, np.ones(len(e), dtype=np.int64)))
+    prev_pos = np.where(rank == 0, pos0[st_req], np.roll(pos[st], 1))
+    m = np.flatnonzero(assert_on[st_req] & (pos[st] != prev_pos + 1))
+    e = st[m]
+    ones = np.ones(len(e), dtype=np.int64)
+    rows.append(_rows(tag, s[e], pos[e], tok[e], -ones, running[e], prev_pos[m] + 1, ones * _W_POSITION))
+    keys.append((req[e], e, ones * 2))
+    order = np.lexsort(tuple(np.concatenate(c) for c in zip(*keys))[::-1])
+    ring_append(ring, write_index, np.concatenate(rows)[order])
+
+    # Stores, in flat order: the last write of a repeated slot wins.
+    fp = fingerprint(s[st], sources).view(np.int64)
+    uniq, last_rev = np.unique(s[st][::-1], return_index=True)
+    last = len(st) - 1 - last_rev
+    e = st[last]
+    rec = np.empty((len(e), FIELDS_PER_SLOT), dtype=np.int64)
+    rec[:, FIELD_TOKEN], rec[:, FIELD_POSITION] = tok[e], pos[e]
+    rec[:, FIELD_PREV_HASH], rec[:, FIELD_REAL_KV_HASH] = running[e], fp[last]
+    words[uniq, :FIELDS_PER_SLOT] = rec
+    slot_run_counter[0] += len(st)
+
+
+# ---- plans (SPEC §8) -------------------------------------------------------------------------------------
+@dataclass
+class VerifyPlanArrays:
+    """A verify plan: int64 ``[capacity]`` entry arrays, int32 ``[1]`` num_valid and enable."""
+
+    slot: np.ndarray
+    expected_token: np.ndarray
+    expected_position: np.ndarray
+    prev_slot: np.ndarray
+    num_valid: np.ndarray
+    enable: np.ndarray
+
+    @classmethod
+    def zeros(cls, capacity: int) -> VerifyPlanArrays:
+        z = lambda: np.zeros(capacity, dtype=np.int64)  # noqa: E731
+        return cls(z(), z(), z(), z(), np.zeros(1, np.int32), np.zeros(1, np.int32))
+
+
+@dataclass
+class WritePlanArrays:
+    """A write plan: int64 offsets ``[req_capacity + 1]``, seed ``[req_capacity]``, int32 num_valid_reqs ``[1]``."""
+
+    offsets: np.ndarray
+    seed: np.ndarray
+    num_valid_reqs: np.ndarray
+
+    @classmethod
+    def zeros(cls, req_capacity: int) -> WritePlanArrays:
+        return cls(np.zeros(req_capacity + 1, np.int64), np.zeros(req_capacity, np.int64),
+                   np.zeros(1, np.int32))
+
+
+def fill_plan(*, verify: VerifyPlanArrays, write: WritePlanArrays, req_pool_indices, prefix_lens,
+              extend_lens, req_to_token, swa_window=0, swa_map=None, expected_pool=None,
+              expected_valid_lens=None, expected_token_offset=0) -> None:
+    """Fill existing plan arrays from the engine's batch (SPEC §8), as the plan kernel does.
+
+    Request r with row ``req_pool_indices[r]`` outside [1, rows) is padding: no verify entries,
+    empty write range, seed -1. Verify entries are positions [lo, prefix) per request in batch
+    order (``lo = max(0, prefix - swa_window)`` when ``swa_window > 0``); slots and predecessors
+    go through ``swa_map`` (a full index outside the map becomes -2). If the entries exceed the
+    verify capacity: ``num_valid = capacity``, ``enable = 0`` and no entry is written; otherwise
+    entries [0, total) are written and the rest left as they were (verify never reads them).
+    Without ``expected_valid_lens`` the whole pool row is valid. Raises ValueError (before
+    writing anything) if the batch exceeds the write plan's request capacity.
+    """
+    rpi = np.asarray(req_pool_indices, dtype=np.int64)
+    bs = len(rpi)
+    if bs > len(write.seed):
+        raise ValueError(f"kv-canary: batch size {bs} exceeds the write plan's request capacity "
+                         f"{len(write.seed)}; fix: create the plan with write_req_capacity >= {bs}")
+    rtt = np.asarray(req_to_token)
+    rtt_rows, max_len = rtt.shape
+    pad = (rpi <= 0) | (rpi >= rtt_rows)
+    row = np.where(pad, 0, rpi)
+    prefix = np.clip(np.asarray(prefix_lens, dtype=np.int64), 0, max_len)
+    extend = np.maximum(np.asarray(extend_lens, dtype=np.int64), 0)
+    lo = np.maximum(prefix - swa_window, 0) if swa_window > 0 else np.zeros(bs, np.int64)
+    count = np.where(pad, 0, prefix - lo)
+    smap = None if swa_map is None else np.asarray(swa_map, dtype=np.int64)
+
+    def mapped(x):
+        x = np.asarray(x, dtype=np.int64)
+        if smap is None:
+            return x
+        inside = (x >= 0) & (x < len(smap))
+        return np.where(inside, smap[np.where(inside, x, 0)] if len(smap) else -2, -2)
+
+    total = int(count.sum())
+    capacity = len(verify.slot)
+    if total > capacity:
+        verify.num_valid[0], verify.enable[0] = capacity, 0
+    else:
+        req = np.repeat(np.arange(bs), count)
+        pos = lo[req] + np.arange(total) - (np.cumsum(count) - count)[req]
+        rr = row[req]
+        verify.slot[:total] = mapped(rtt[rr, pos])
+        prev = np.full(total, -1, dtype=np.int64)
+        m = np.flatnonzero(pos > 0)
+        prev[m] = mapped(rtt[rr[m], pos[m] - 1])
+        verify.prev_slot[:total] = prev
+        verify.expected_position[:total] = pos
+        token = np.full(total, -1, dtype=np.int64)
+        if expected_pool is not None:
+            pool = np.asarray(expected_pool)
+            limit = np.full(bs, pool.shape[1], np.int64) if expected_valid_lens is None else \
+                np.minimum(np.asarray(expected_valid_lens, dtype=np.int64), pool.shape[1])
+            q = pos + int(expected_token_offset)
+            m = np.flatnonzero((q >= 0) & (q < limit[req]))
+            token[m] = pool[rr[m], q[m]]
+        verify.expected_token[:total] = token
+        verify.num_valid[0], verify.enable[0] = total, 1
+
+    write.offsets[0] = 0
+    write.offsets[1:bs + 1] = np.cumsum(np.where(pad, 0, extend))
+    has_seed = ~pad & (prefix > 0) & (extend > 0)
+    seed = np.full(bs, -1, dtype=np.int64)
+    idx = np.flatnonzero(has_seed)
+    seed[idx] = mapped(rtt[row[idx], prefix[idx] - 1])
+    write.seed[:bs] = seed
+    write.num_valid_reqs[0] = bs
+
+
+def build_plan(*, req_pool_indices, prefix_lens, extend_lens, req_to_token, swa_window=0,
+               swa_map=None, expected_pool=None, expected_valid_lens=None,
+               expected_token_offset=0, verify_capacity: int,
+               write_req_capacity: int) -> tuple[VerifyPlanArrays, WritePlanArrays]:
+    """New zero-initialised plans of the given capacities, filled by :func:`fill_plan`."""
+    verify, write = VerifyPlanArrays.zeros(verify_capacity), WritePlanArrays.zeros(write_req_capacity)
+    fill_plan(verify=verify, write=write, req_pool_indices=req_pool_indices,
+              prefix_lens=prefix_lens, extend_lens=extend_lens, req_to_token=req_to_token,
+              swa_window=swa_window, swa_map=swa_map, expected_pool=expected_pool,
+              expected_valid_lens=expected_valid_lens,
+              expected_token_offset=expected_token_offset)
+    return verify, write

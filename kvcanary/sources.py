@@ -1,0 +1,202 @@
+"""Real-KV sources (SPEC §4): which bytes of the live KV pool a fingerprint covers.
+
+Validation here never touches the driver. :class:`RealKvSource` checks its numbers when built;
+:func:`marshal_sources` checks the array layout for a launch (or the CPU reference) and produces
+the ABI descriptors. The layout helpers build correct sources from common pool layouts without
+copying, so the canary always reads the live pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import abi
+from .arrays import ArrayView, as_view, from_pointer
+from .errors import ValidationError
+
+def resolved(view: ArrayView) -> ArrayView:
+    """``view`` with an unknown CUDA ordinal (-1, e.g. a bare CAI producer) asked of the driver."""
+    if view.device != -1:
+        return view
+    from dataclasses import replace
+    from .driver import pointer_device
+    return replace(view, device=pointer_device(view.ptr))
+
+
+_FIX_2D = "reshape to [num_slots, bytes_per_slot], e.g. t.view(t.shape[0], -1)"
+
+
+@dataclass(frozen=True)
+class RealKvSource:
+    """Bytes of the KV pool fingerprinted per slot.
+
+    Slot s reads ``eff`` bytes at row ``s // page_size``, byte ``(s % page_size) * num_bytes_per_token``
+    of ``tensor`` viewed as uint8 ``[rows, row_bytes]`` (``eff`` = 16 in PARTIAL, ``read_bytes`` in
+    ALL). ``tensor`` is any device array (torch, CuPy, JAX, DLPack or CAI producer, a kvcanary
+    array) or a host array for the CPU backend. ``read_bytes`` defaults to ``num_bytes_per_token``.
+    """
+
+    tensor: Any
+    page_size: int
+    num_bytes_per_token: int
+    read_bytes: int | None = None
+
+    def __post_init__(self):
+        if self.read_bytes is None:
+            object.__setattr__(self, "read_bytes", self.num_bytes_per_token)
+        if not isinstance(self.page_size, (int, np.integer)) or self.page_size < 1:
+            raise ValidationError(f"kv-canary: RealKvSource.page_size must be >= 1, got {self.page_size}")
+        n = self.num_bytes_per_token
+        if not isinstance(n, (int, np.integer)) or n <= 0 or n % abi.REAL_KV_ALIGN:
+            raise ValidationError(f"kv-canary: RealKvSource.num_bytes_per_token must be a positive "
+                                  f"multiple of 16, got {n}")
+        rb = self.read_bytes
+        if not isinstance(rb, (int, np.integer)) or rb <= 0 or rb % abi.REAL_KV_ALIGN or rb > n:
+            raise ValidationError(f"kv-canary: RealKvSource.read_bytes must be a positive multiple "
+                                  f"of 16 in (0, num_bytes_per_token={n}], got {rb}")
+        view = resolved(as_view(self.tensor, name="RealKvSource.tensor"))
+        if len(view.shape) < 2:
+            raise ValidationError(f"kv-canary: RealKvSource.tensor must be at least 2-D, got shape "
+                                  f"{view.shape}; {_FIX_2D}")
+        if view.strides[0] % abi.REAL_KV_ALIGN:
+            raise ValidationError(
+                f"kv-canary: RealKvSource.tensor row stride must be a multiple of 16 bytes, got "
+                f"{view.strides[0]} bytes (shape={view.shape}, strides={view.strides}, "
+                f"dtype={view.dtype_name}); pad each row to a multiple of 16 bytes")
+        object.__setattr__(self, "_view", view)
+
+    @property
+    def view(self) -> ArrayView:
+        return self._view  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class MarshalledSource:
+    """A validated source: its uint8 [rows, row_bytes] view and ABI numbers."""
+
+    view: ArrayView
+    page_size: int
+    bytes_per_token: int
+    hash_bytes: int
+
+    @property
+    def rows(self) -> int:
+        return self.view.shape[0]
+
+
+def hash_bytes_for(source: RealKvSource, mode: abi.HashMode) -> int:
+    return abi.PARTIAL_HASH_BYTES if mode == abi.HashMode.PARTIAL else int(source.read_bytes)
+
+
+def marshal_sources(sources: Sequence[RealKvSource], mode: abi.HashMode, num_slots: int) -> tuple[MarshalledSource, ...]:
+    """Validate sources for a launch; mode NONE fingerprints nothing (no sources are read)."""
+    sources = tuple(sources)
+    if len(sources) > abi.MAX_REAL_KV_SOURCES:
+        raise ValidationError(f"kv-canary: at most {abi.MAX_REAL_KV_SOURCES} RealKvSource entries "
+                              f"supported by the CUDA ABI, got {len(sources)}; fingerprint fewer "
+                              f"layers (e.g. the first layer only) or split them across contexts")
+    out = []
+    for i, src in enumerate(sources):
+        if not isinstance(src, RealKvSource):
+            raise ValidationError(f"kv-canary: real_kv_sources[{i}] must be a RealKvSource, got "
+                                  f"{type(src).__name__}; wrap the array: RealKvSource(tensor, page_size, "
+                                  f"num_bytes_per_token)")
+        v = src.view
+        if len(v.shape) != 2:
+            raise ValidationError(f"kv-canary: real_kv_sources[{i}].tensor (viewed as uint8) must be "
+                                  f"2-D, got {len(v.shape)}-D; {_FIX_2D} (or build it with "
+                                  f"kvcanary.sources_from_pages / sources_from_layers)")
+        if v.strides[1] != v.dtype.itemsize:
+            raise ValidationError(f"kv-canary: real_kv_sources[{i}].tensor must have a contiguous "
+                                  f"inner dimension, got strides {v.strides} bytes for shape {v.shape} "
+                                  f"and itemsize {v.dtype.itemsize}; fix: t.contiguous() on the pool, "
+                                  f"or pass the pool in its storage layout")
+        if v.ptr % abi.REAL_KV_ALIGN:
+            raise ValidationError(f"kv-canary: real_kv_sources[{i}].tensor base address must be "
+                                  f"16-byte aligned for 16-byte loads, got 0x{v.ptr:x}; fix: slice the "
+                                  f"pool at a 16-byte boundary or pass the whole allocation")
+        row_bytes = v.shape[1] * v.dtype.itemsize
+        need = src.page_size * src.num_bytes_per_token
+        if need > row_bytes:
+            raise ValidationError(f"kv-canary: real_kv_sources[{i}] needs page_size * num_bytes_per_token "
+                                  f"= {src.page_size} * {src.num_bytes_per_token} = {need} bytes per row, "
+                                  f"but its rows hold {row_bytes} bytes (shape={v.shape}, dtype={v.dtype_name}); "
+                                  f"fix: page_size or num_bytes_per_token")
+        if mode != abi.HashMode.NONE and v.shape[0] * src.page_size < num_slots:
+            raise ValidationError(f"kv-canary: real_kv_sources[{i}] covers {v.shape[0] * src.page_size} "
+                                  f"slots ({v.shape[0]} rows x page_size {src.page_size}) but the canary "
+                                  f"buffer has {num_slots}; fix: pass the whole pool, or size the canary "
+                                  f"buffer to the pool")
+        u8 = from_pointer(v.ptr, (v.shape[0], row_bytes), np.uint8, device=v.device,
+                          strides=(v.strides[0], 1), readonly=True, owner=v)
+        out.append(MarshalledSource(u8, int(src.page_size), int(src.num_bytes_per_token),
+                                    hash_bytes_for(src, mode)))
+    return tuple(out) if mode != abi.HashMode.NONE else ()
+
+
+# ---- layout helpers ------------------------------------------------------------------------------
+def _rows_view(tensor, rows_dims: int, name: str) -> ArrayView:
+    """[d0, ..., d_{k-1}, rest...] -> uint8 [d0*...*d_{k-1}, bytes(rest)] without copying."""
+    v = resolved(as_view(tensor, name=name))
+    item = v.dtype.itemsize
+    inner = 1
+    for dim in v.shape[rows_dims:]:
+        inner *= dim
+    expect = item
+    for extent, stride in reversed(list(zip(v.shape[rows_dims:], v.strides[rows_dims:]))):
+        if extent != 1 and stride != expect:
+            raise ValidationError(f"kv-canary: {name} must be contiguous after its first {rows_dims} "
+                                  f"dim(s), got shape {v.shape} strides {v.strides} bytes; fix: use the "
+                                  f"pool's storage layout (no transposed views)")
+        expect *= extent
+    rows, row_stride = 1, v.strides[rows_dims - 1]
+    for i in range(rows_dims):
+        rows *= v.shape[i]
+    for i in range(rows_dims - 1):  # leading dims must collapse into one strided row index
+        if v.strides[i] != v.strides[i + 1] * v.shape[i + 1]:
+            raise ValidationError(f"kv-canary: {name} leading dims do not collapse into rows "
+                                  f"(shape {v.shape}, strides {v.strides}); fix: pass one layer at a time")
+    return from_pointer(v.ptr, (rows, inner * item), np.uint8, device=v.device,
+                        strides=(row_stride, 1), readonly=v.readonly, owner=v)
+
+
+def sources_from_pages(pool, *, page_size: int | None = None, read_bytes: int | None = None) -> RealKvSource:
+    """A paged pool ``[pages, page_size, ...]`` (any dtype): one row per page."""
+    v = as_view(pool, name="pool")
+    if len(v.shape) < 2:
+        raise ValidationError(f"kv-canary: pool must be [pages, page_size, ...], got shape {v.shape}")
+    page = v.shape[1] if page_size is None else page_size
+    rows = _rows_view(pool, 1, "pool")
+    per_token = rows.shape[1] // page
+    return RealKvSource(rows, page, per_token, read_bytes)
+
+
+def source_from_slots(pool, *, read_bytes: int | None = None) -> RealKvSource:
+    """A per-token pool ``[slots, ...]`` (SGLang MHA ``[slots, heads, dim]``, MLA ``[slots, 1, dim]``)."""
+    rows = _rows_view(pool, 1, "pool")
+    return RealKvSource(rows, 1, rows.shape[1], read_bytes)
+
+
+def sources_from_vllm(cache, *, read_bytes: int | None = None) -> tuple[RealKvSource, RealKvSource]:
+    """A vLLM-style cache ``[2, blocks, block_size, heads, dim]``: (K half, V half)."""
+    v = as_view(cache, name="cache")
+    if len(v.shape) < 4 or v.shape[0] != 2:
+        raise ValidationError(f"kv-canary: a vLLM-style cache must be [2, num_blocks, block_size, "
+                              f"heads, dim], got shape {v.shape}")
+    halves = []
+    for h in range(2):
+        half = from_pointer(v.ptr + h * v.strides[0], v.shape[1:], v.dtype, device=v.device,
+                            strides=v.strides[1:], readonly=v.readonly, owner=v)
+        halves.append(sources_from_pages(half, read_bytes=read_bytes))
+    return halves[0], halves[1]
+
+
+def sources_from_layers(layers: Sequence, *, read_bytes: int | None = None, page_size: int | None = None) -> list[RealKvSource]:
+    """One source per layer of a per-layer list: ``[slots, ...]`` tensors, or ``[pages, page_size, ...]``
+    when ``page_size`` is given."""
+    if page_size is None:
+        return [source_from_slots(t, read_bytes=read_bytes) for t in layers]
+    return [sources_from_pages(t, page_size=page_size, read_bytes=read_bytes) for t in layers]

@@ -1,0 +1,181 @@
+"""Canary state: the canary buffer, the violation sink and the verify context (SPEC §2, §5).
+
+State lives either in host memory (numpy; the CPU reference backend runs on it) or on one CUDA
+device (kernels run on it). ``allocate`` makes zeroed state through the library (no torch needed);
+the constructors wrap arrays the caller already has (torch, CuPy, JAX, numpy, raw pointers).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from . import abi
+from .arrays import ArrayView, as_view
+from .errors import ValidationError
+from .sources import MarshalledSource, RealKvSource, marshal_sources, resolved
+
+
+def alloc_zeros(shape, dtype, device: int | None):
+    """Zeroed numpy array (device None) or kvcanary DeviceArray on ``device``."""
+    if device is None:
+        return np.zeros(shape, dtype)
+    from . import memory
+    return memory.zeros(shape, dtype, device)
+
+
+def checked(array, name: str, *, dtype, shape=None, ndim=None, writable=False) -> ArrayView:
+    """as_view plus the dtype / shape / contiguity / writability rules every state array obeys."""
+    v = resolved(as_view(array, name=name))
+    if v.dtype != np.dtype(dtype):
+        raise ValidationError(f"kv-canary: {name} must have dtype {np.dtype(dtype).name}, got "
+                              f"{v.dtype_name}; fix: allocate it as {np.dtype(dtype).name}")
+    if ndim is not None and len(v.shape) != ndim:
+        raise ValidationError(f"kv-canary: {name} must be {ndim}-D, got shape {v.shape}")
+    if shape is not None:
+        for want, got in zip(shape, v.shape):
+            if want is not None and want != got:
+                raise ValidationError(f"kv-canary: {name} must have shape "
+                                      f"{tuple('*' if s is None else s for s in shape)}, got {v.shape}")
+    if not v.is_c_contiguous():
+        raise ValidationError(f"kv-canary: {name} must be C-contiguous, got strides {v.strides} for "
+                              f"shape {v.shape}; fix: .contiguous() / np.ascontiguousarray")
+    if writable and v.readonly:
+        raise ValidationError(f"kv-canary: {name} must be writable, got a read-only array")
+    return v
+
+
+def same_device(views: Sequence[ArrayView | None], what: str) -> int | None:
+    devices = {v.device for v in views if v is not None}
+    if len(devices) > 1:
+        where = ", ".join("host" if d is None else f"cuda:{d}" for d in sorted(devices, key=lambda d: -1 if d is None else d))
+        raise ValidationError(f"kv-canary: all arrays of {what} must live on one device, got {where}; "
+                              f"fix: move them to the canary buffer's device")
+    return next(iter(devices)) if devices else None
+
+
+class CanaryBuffer:
+    """``[num_slots, slot_stride_bytes]`` uint8, zero-initialised, one record per KV slot."""
+
+    def __init__(self, array):
+        v = checked(array, "canary buffer", dtype=np.uint8, ndim=2, writable=True)
+        stride = v.shape[1]
+        if stride < abi.SLOT_BYTES or stride % 8:
+            raise ValidationError(f"kv-canary: canary buffer slot stride must be >= {abi.SLOT_BYTES} "
+                                  f"bytes and a multiple of 8, got {stride}")
+        if v.ptr % 8:
+            raise ValidationError(f"kv-canary: canary buffer must be 8-byte aligned, got 0x{v.ptr:x}")
+        self.array, self.view = array, v
+        self.num_slots, self.slot_stride = v.shape[0], stride
+        self.device = v.device
+
+    @classmethod
+    def allocate(cls, num_slots: int, *, device: int | None = None, slot_stride_bytes: int = abi.SLOT_BYTES):
+        return cls(alloc_zeros((num_slots, slot_stride_bytes), np.uint8, device))
+
+    def host_words(self) -> np.ndarray:
+        """[num_slots, 4] int64 fields (a copy for device buffers, a view for host ones)."""
+        data = self.view.host if self.device is None else self.array.numpy() if hasattr(self.array, "numpy") else None
+        if data is None:
+            raise ValidationError("kv-canary: cannot read this device canary buffer back without its framework")
+        return np.ascontiguousarray(data).view(np.int64)[:, : abi.FIELDS_PER_SLOT]
+
+
+class ViolationSink:
+    """Violation ring ``[capacity, 8]`` int64, its int32 write index and the two int64 counters."""
+
+    def __init__(self, ring, write_index, kernel_run_counter, slot_run_counter):
+        self.ring_view = checked(ring, "violation ring", dtype=np.int64, ndim=2, writable=True,
+                                 shape=(None, abi.RING_COLS))
+        self.write_index_view = checked(write_index, "write_index", dtype=np.int32, shape=(1,), ndim=1, writable=True)
+        self.kernel_run_view = checked(kernel_run_counter, "kernel_run_counter", dtype=np.int64, shape=(1,), ndim=1, writable=True)
+        self.slot_run_view = checked(slot_run_counter, "slot_run_counter", dtype=np.int64, shape=(1,), ndim=1, writable=True)
+        self.arrays = (ring, write_index, kernel_run_counter, slot_run_counter)
+        self.capacity = self.ring_view.shape[0]
+        self.device = same_device([self.ring_view, self.write_index_view, self.kernel_run_view,
+                                   self.slot_run_view], "a ViolationSink")
+
+    @classmethod
+    def allocate(cls, capacity: int = abi.DEFAULT_RING_CAPACITY, *, device: int | None = None):
+        if capacity < 1:
+            raise ValidationError(f"kv-canary: ring capacity must be >= 1, got {capacity}")
+        return cls(alloc_zeros((capacity, abi.RING_COLS), np.int64, device),
+                   alloc_zeros((1,), np.int32, device), alloc_zeros((1,), np.int64, device),
+                   alloc_zeros((1,), np.int64, device))
+
+
+@dataclass
+class VerifyContext:
+    """What one launch tag verifies and writes: a buffer, a sink, the real-KV sources and mode.
+
+    Source pointers and the mode are fixed for the life of the context (SPEC §9): the ABI bytes
+    shared by every launch of the context are packed once here. ``chain_position_assert`` is an
+    int32 [1] flag in the context's memory (set it with :meth:`set_chain_position_assert`).
+    """
+
+    buffer: CanaryBuffer
+    sink: ViolationSink
+    tag: abi.LaunchTag = abi.LaunchTag.HEAD_K_FULL
+    sources: Sequence[RealKvSource] = ()
+    hash_mode: abi.HashMode = abi.HashMode.PARTIAL
+    chain_position_assert: Any = None
+    marshalled: tuple[MarshalledSource, ...] = field(init=False)
+    common: bytes = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.tag = abi.LaunchTag(self.tag)
+        self.hash_mode = abi.HashMode(self.hash_mode)
+        self.sources = tuple(self.sources)
+        self.marshalled = marshal_sources(self.sources, self.hash_mode, self.buffer.num_slots)
+        if self.chain_position_assert is None:
+            self.chain_position_assert = alloc_zeros((1,), np.int32, self.buffer.device)
+        self.flag_view = checked(self.chain_position_assert, "chain_position_assert", dtype=np.int32,
+                                 shape=(1,), ndim=1)
+        same_device([self.buffer.view, self.sink.ring_view, self.flag_view,
+                     *(m.view for m in self.marshalled)], "a VerifyContext")
+        self.common = self._pack_common()
+
+    @property
+    def device(self) -> int | None:
+        return self.buffer.device
+
+    def set_chain_position_assert(self, on: bool) -> None:
+        """Turn the write-position assert on or off (a host write; not for use inside a graph)."""
+        value = np.array([1 if on else 0], np.int32)
+        if self.device is None:
+            self.flag_view.host[...] = value
+        else:
+            from . import memory
+            memory.copy_from_host_ptr(self.flag_view.ptr, value, self.device)
+
+    def _pack_common(self) -> bytes:
+        p = abi.VerifyParams()
+        p.canary = self.buffer.view.ptr
+        p.slot_stride_words = self.buffer.slot_stride // 8
+        p.num_slots = self.buffer.num_slots
+        p.ring = self.sink.ring_view.ptr
+        p.ring_capacity = self.sink.capacity
+        p.write_index = self.sink.write_index_view.ptr
+        p.kernel_run_counter = self.sink.kernel_run_view.ptr
+        p.slot_run_counter = self.sink.slot_run_view.ptr
+        p.tag = int(self.tag)
+        p.num_sources = len(self.marshalled)
+        for i, m in enumerate(self.marshalled):
+            d = p.sources[i]
+            d.base, d.row_stride = m.view.ptr, m.view.strides[0]
+            d.page_size, d.bytes_per_token, d.hash_bytes = m.page_size, m.bytes_per_token, m.hash_bytes
+        return bytes(p)[:COMMON_BYTES]
+
+    def params(self, struct_type):
+        """A fresh params struct of ``struct_type`` with the shared fields filled in."""
+        p = struct_type()
+        ctypes.memmove(ctypes.addressof(p), self.common, COMMON_BYTES)
+        return p
+
+
+COMMON_BYTES = abi.layout(abi.VERIFY_PARAMS)["plan_slot"]
+for _decl in (abi.WRITE_PARAMS, abi.FUSED_VERIFY_PARAMS):  # every kernel shares the same prefix
+    assert [f.name for f in _decl.fields[:11]] == [f.name for f in abi.VERIFY_PARAMS.fields[:11]]

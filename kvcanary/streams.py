@@ -1,0 +1,56 @@
+"""Which CUDA stream a launch goes on (SPEC §9).
+
+An explicit stream always wins: an int handle, a torch/CuPy stream object (``cuda_stream`` /
+``ptr``), or anything with ``__cuda_stream__``. Otherwise the current stream of the framework that
+owns the arrays (torch's raw current stream without the public call's overhead, CuPy's current
+stream), then a stream a ``__cuda_array_interface__`` v3 producer named, and finally the per-thread
+default stream. The legacy stream 0 is never chosen implicitly: work there escapes CUDA-graph
+capture silently. Frameworks are looked up in ``sys.modules``, never imported.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Iterable
+
+from .arrays import ArrayView
+from .driver import PER_THREAD_STREAM
+from .errors import ValidationTypeError
+
+
+def stream_handle(stream: Any) -> int:
+    """The raw CUstream handle of an explicit stream argument."""
+    if isinstance(stream, int):
+        return stream
+    if hasattr(stream, "__cuda_stream__"):
+        return int(stream.__cuda_stream__()[1])
+    for attr in ("cuda_stream", "ptr", "handle"):
+        if hasattr(stream, attr):
+            return int(getattr(stream, attr))
+    raise ValidationTypeError(f"kv-canary: stream must be an int CUstream handle or a torch/CuPy "
+                              f"stream object, got {type(stream).__name__}")
+
+
+def _framework_stream(objs: Iterable[Any], device: int) -> int | None:
+    for obj in objs:
+        module = type(obj).__module__.split(".")[0]
+        if module == "torch" and "torch" in sys.modules:
+            return int(sys.modules["torch"]._C._cuda_getCurrentRawStream(device))
+        if module == "cupy" and "cupy" in sys.modules:
+            cupy = sys.modules["cupy"]
+            with cupy.cuda.Device(device):
+                return int(cupy.cuda.get_current_stream().ptr)
+    return None
+
+
+def resolve(stream: Any, objs: Iterable[Any], views: Iterable[ArrayView | None], device: int) -> int:
+    """The stream handle for a launch on ``device`` over the user arrays ``objs``."""
+    if stream is not None:
+        return stream_handle(stream)
+    found = _framework_stream(objs, device)
+    if found is not None:
+        return found
+    for v in views:
+        if v is not None and v.stream is not None:
+            return int(v.stream)
+    return PER_THREAD_STREAM

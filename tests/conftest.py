@@ -1,0 +1,28 @@
+"""Test tiers: CPU tests always run; tests marked ``gpu`` need a CUDA driver and a device and skip
+cleanly without one (the exception cuInit raises without libcuda is caught, never propagated)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_unavailable_reason() -> str | None:
+    import kvcanary
+    from kvcanary import driver
+    try:
+        if driver.device_count() < 1:
+            return "no CUDA device"
+    except kvcanary.KvCanaryError as exc:
+        return str(exc).splitlines()[0][:200]
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "gpu" in item.keywords:
+            reason = gpu_unavailable_reason()
+            if reason:
+                item.add_marker(pytest.mark.skip(reason=f"gpu tier: {reason}"))
