@@ -25,6 +25,7 @@ from typing import NoReturn
 import numpy as np
 
 from . import dlpack
+from .dlpack import c_strides
 from .errors import ValidationError, ValidationTypeError
 
 ANY_DEVICE = ...          # require(device=...) default: do not check
@@ -38,15 +39,6 @@ _ACCEPTED = ("a torch tensor, an object with __cuda_array_interface__ (CuPy, JAX
 def _fail(cls, name: str, expected: str, got: str, fix: str) -> NoReturn:
     """Raise ``cls`` with the house format: what was expected, what was got, how to fix it."""
     raise cls(f"kv-canary: {name}: expected {expected}, got {got}. Fix: {fix}")
-
-
-def c_strides(shape, itemsize: int) -> tuple[int, ...]:
-    """C-contiguous byte strides for ``shape``."""
-    out, step = [], itemsize
-    for n in reversed(shape):
-        out.append(step)
-        step *= max(int(n), 1)
-    return tuple(reversed(out))
 
 
 def resolve_dtype(spec, itemsize: int | None = None) -> tuple[np.dtype, str]:
@@ -134,10 +126,6 @@ class ArrayView:
                 f"device={dev}")
 
 
-def _host_array(ptr, shape, strides, dtype, readonly, owner):
-    return dlpack.ndarray_at(ptr, shape, strides, dtype, readonly=readonly, owner=owner)
-
-
 def _finish(name, ptr, shape, strides, dtype, dtype_name, device, readonly, owner, stream=None,
             host=None) -> ArrayView:
     shape = tuple(operator.index(n) for n in shape)
@@ -150,7 +138,7 @@ def _finish(name, ptr, shape, strides, dtype, dtype_name, device, readonly, owne
         _fail(ValidationError, name, "a non-NULL data pointer", f"NULL with shape {shape}",
               "pass an allocated array")
     if device is None and host is None:
-        host = _host_array(ptr, shape, strides, dtype, readonly, owner)
+        host = dlpack.ndarray_at(ptr, shape, strides, dtype, readonly=readonly, owner=owner)
     return ArrayView(ptr, shape, strides, dtype, dtype_name, device, bool(readonly), owner,
                      stream, host)
 
@@ -348,7 +336,8 @@ def as_uint8_2d(view: ArrayView, name: str) -> ArrayView:
     shape, strides = (rows, row_bytes), (row_stride, 1)
     host = None
     if view.host is not None:
-        host = _host_array(view.ptr, shape, strides, np.uint8, view.readonly, view)
+        host = dlpack.ndarray_at(view.ptr, shape, strides, np.uint8, readonly=view.readonly,
+                                 owner=view)
     return ArrayView(view.ptr, shape, strides, np.dtype(np.uint8), "uint8", view.device,
                      view.readonly, view, view.stream, host)
 

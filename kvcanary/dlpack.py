@@ -26,7 +26,7 @@ import numpy as np
 
 from .errors import ValidationError, ValidationTypeError
 
-# ---- device types and dtype codes (dlpack.h, v1.1) ------------------------------------------------
+# ---- device types and dtype codes (dlpack.h, v1.1) -----------------------------------------------
 kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged = 1, 2, 3, 13
 DEVICE_NAMES = {1: "CPU", 2: "CUDA", 3: "CUDAHost", 4: "OpenCL", 7: "Vulkan", 8: "Metal", 9: "VPI",
                 10: "ROCM", 11: "ROCMHost", 12: "ExtDev", 13: "CUDAManaged", 14: "OneAPI",
@@ -47,7 +47,7 @@ FLAG_IS_COPIED = 1 << 1
 FLAG_IS_SUBBYTE_TYPE_PADDED = 1 << 2
 
 
-# ---- structs (dlpack.h). Deleters are held as raw addresses and called through _DELETER. ----------
+# ---- structs (dlpack.h). Deleters are held as raw addresses and called through _DELETER. ---------
 class DLDevice(ctypes.Structure):
     _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
 
@@ -81,11 +81,10 @@ class DLManagedTensorVersioned(ctypes.Structure):
 _DELETER = ctypes.PYFUNCTYPE(None, ctypes.c_void_p)
 
 
-# ---- capsule API -------------------------------------------------------------------------------------
+# ---- capsule API ---------------------------------------------------------------------------------
 def _capi(fn_name, restype, *argtypes):
-    fn = getattr(ctypes.pythonapi, fn_name)
-    fn.restype, fn.argtypes = restype, list(argtypes)
-    return fn
+    """A private binding of a C-API function (never mutates the shared ctypes.pythonapi ones)."""
+    return ctypes.PYFUNCTYPE(restype, *argtypes)((fn_name, ctypes.pythonapi))
 
 
 _is_valid = _capi("PyCapsule_IsValid", ctypes.c_int, ctypes.py_object, ctypes.c_char_p)
@@ -101,14 +100,15 @@ def _immortal_name(text: bytes):
     return buf
 
 
-_USED_NAMES = {False: _immortal_name(b"used_dltensor"), True: _immortal_name(b"used_dltensor_versioned")}
+_USED_NAMES = {False: _immortal_name(b"used_dltensor"),
+               True: _immortal_name(b"used_dltensor_versioned")}
 
 
 def is_capsule(obj) -> bool:
     return type(obj).__name__ == "PyCapsule"
 
 
-# ---- dtypes ------------------------------------------------------------------------------------------
+# ---- dtypes --------------------------------------------------------------------------------------
 def stand_in(itemsize: int) -> np.dtype:
     """The numpy dtype used in place of one numpy lacks: an unsigned int of the same size."""
     return np.dtype({1: "u1", 2: "<u2", 4: "<u4", 8: "<u8"}.get(itemsize, f"V{itemsize}"))
@@ -151,13 +151,22 @@ def dl_dtype(dtype) -> tuple[int, int, int]:
         dt = None
     if dt is None or dt.kind not in _NUMPY_KIND_CODES or not dt.isnative:
         raise ValidationTypeError(
-            f"kv-canary: expected a DLPack-representable dtype (numpy int/uint/float/complex/bool or "
-            f"one of {sorted(NAMED_CODES.values())}), got {dtype!r}. Fix: export the buffer as "
-            f"uint8 or pass one of those names.")
+            f"kv-canary: expected a DLPack-representable dtype (numpy int/uint/float/complex/"
+            f"bool or one of {sorted(NAMED_CODES.values())}), got {dtype!r}. Fix: export the "
+            f"buffer as uint8 or pass one of those names.")
     return _NUMPY_KIND_CODES[dt.kind], dt.itemsize * 8, 1
 
 
-# ---- numpy over raw memory ---------------------------------------------------------------------------
+# ---- numpy over raw memory -----------------------------------------------------------------------
+def c_strides(shape, itemsize: int) -> tuple[int, ...]:
+    """C-contiguous byte strides for ``shape``."""
+    out, step = [], itemsize
+    for n in reversed(shape):
+        out.append(step)
+        step *= max(int(n), 1)
+    return tuple(reversed(out))
+
+
 class _Memory:
     """Exposes an address through ``__array_interface__`` and keeps ``owner`` alive."""
 
@@ -175,7 +184,7 @@ def ndarray_at(ptr, shape, strides, dtype, *, readonly, owner) -> np.ndarray:
     return np.asarray(_Memory(ptr, shape, strides, dtype, readonly, owner))
 
 
-# ---- import ------------------------------------------------------------------------------------------
+# ---- import --------------------------------------------------------------------------------------
 class DlpackOwner:
     """Owns one consumed managed tensor: calls its deleter exactly once, when collected."""
 
@@ -254,7 +263,7 @@ def import_capsule(capsule, producer=None) -> DlpackTensor:
     return DlpackTensor(*fields, DlpackOwner(addr, managed.deleter, capsule, producer))
 
 
-# ---- export ------------------------------------------------------------------------------------------
+# ---- export --------------------------------------------------------------------------------------
 def make_capsule(ptr: int, shape, dtype, device_type: int, device_id: int, owner,
                  strides_bytes=None, readonly: bool = False, versioned: bool = False):
     """A fresh DLPack capsule describing ``ptr`` (host or device memory, never touched here).
@@ -270,12 +279,8 @@ def make_capsule(ptr: int, shape, dtype, device_type: int, device_id: int, owner
             f"kv-canary: expected whole-byte elements to export, got {dtype!r} ({bits}x{lanes} "
             f"bits). Fix: export the buffer as uint8.")
     shape = tuple(int(n) for n in shape)
-    if strides_bytes is None:
-        strides_bytes, step = [], itemsize
-        for n in reversed(shape):
-            strides_bytes.insert(0, step)
-            step *= max(n, 1)
-    strides_bytes = tuple(int(s) for s in strides_bytes)
+    strides_bytes = (c_strides(shape, itemsize) if strides_bytes is None
+                     else tuple(int(s) for s in strides_bytes))
     if len(strides_bytes) != len(shape) or any(s % itemsize for s in strides_bytes):
         raise ValidationError(
             f"kv-canary: make_capsule expected {len(shape)} byte strides that are multiples of "
@@ -290,7 +295,14 @@ def make_capsule(ptr: int, shape, dtype, device_type: int, device_id: int, owner
                               f"non-empty buffer, got ptr=0 with shape {shape}. Fix: allocate it.")
     carrier = ndarray_at(ptr, shape, strides_bytes, stand_in(itemsize), readonly=readonly,
                          owner=owner)
-    capsule = carrier.__dlpack__(max_version=(1, 0)) if versioned else carrier.__dlpack__()
+    try:
+        capsule = carrier.__dlpack__(max_version=(1, 0)) if versioned else carrier.__dlpack__()
+    except TypeError:                  # numpy < 2.1 exports legacy capsules only, which the
+        if readonly:                   # protocol allows in answer to max_version
+            raise ValidationError("kv-canary: make_capsule expected numpy >= 2.1 to export a "
+                                  "read-only (versioned) capsule, got numpy " + np.__version__ +
+                                  ". Fix: upgrade numpy.") from None
+        capsule, versioned = carrier.__dlpack__(), False
     name = b"dltensor_versioned" if versioned else b"dltensor"
     addr = _get_pointer(capsule, name)
     managed = (DLManagedTensorVersioned if versioned else DLManagedTensor).from_address(addr)

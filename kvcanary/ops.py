@@ -146,6 +146,10 @@ def _batch_views(batch: Batch, plan: StepPlan, swa_window: int, swa_map) -> dict
                               f"{plan.max_batch}; fix: StepPlan.allocate(max_batch>={bs}, ...)")
     if swa_window < 0:
         raise ValidationError(f"kv-canary: swa_window must be >= 0 (0 = no window), got {swa_window}")
+    if "expected_pool" in v and v["expected_pool"].shape[0] < v["req_to_token"].shape[0]:
+        raise ValidationError(f"kv-canary: batch.expected_pool must have a row per request-pool row "
+                              f"({v['req_to_token'].shape[0]}, like req_to_token), got "
+                              f"{v['expected_pool'].shape[0]} rows")
     if same_device(list(v.values()), "a Batch") != plan.device:
         raise ValidationError("kv-canary: the batch arrays must live on the plan's device")
     return v

@@ -21,7 +21,7 @@ class Workload:
     num_slots: int
     page_size: int
     mode: abi.HashMode
-    pools: list  # host uint8 arrays, each [rows, row_bytes] or a row-strided slice
+    pools: list  # (host uint8 buffer, first column): source k is buffer[:, col:col + page*bpt[k]]
     bytes_per_token: list
     read_bytes: list
     ring_capacity: int
@@ -54,14 +54,16 @@ def make(seed: int, *, num_slots=2048, page_size=16, mode=abi.HashMode.PARTIAL, 
         row_bytes = page_size * per_token
         if strided:  # a per-layer slice of a [rows, layers * row_bytes] buffer
             big = rng.integers(0, 256, (rows, row_bytes * 2 + 16), dtype=np.uint8)
-            pools.append(big[:, row_bytes:2 * row_bytes])
+            pools.append((big, row_bytes))
         else:
-            pools.append(rng.integers(0, 256, (rows, row_bytes), dtype=np.uint8))
+            pools.append((rng.integers(0, 256, (rows, row_bytes), dtype=np.uint8), 0))
         bpt.append(per_token)
         rb.append(int(rng.choice([16 * k for k in range(1, per_token // 16 + 1)])))
     free = rng.permutation(np.arange(1, num_slots))
     lens = rng.integers(0, max_len, num_reqs)
     lens[: num_reqs // 4] = rng.integers(1, 4, num_reqs // 4)  # some decode-sized requests
+    if lens.sum() > num_slots - 1:  # every written token gets its own slot
+        lens = (lens * (num_slots - 1) // lens.sum()).astype(lens.dtype)
     total = int(lens.sum())
     slots = free[:total].astype(np.int64)
     offsets = np.zeros(num_reqs + 1, np.int64)
@@ -108,8 +110,7 @@ def make(seed: int, *, num_slots=2048, page_size=16, mode=abi.HashMode.PARTIAL, 
 def run(w: Workload, to_backend, to_host, *, stream=None) -> dict:
     """Write, corrupt, verify; return every effect as host numpy arrays."""
     B = to_backend
-    pools = [p.copy() if p.flags.c_contiguous else p for p in w.pools]
-    dev_pools = [B(p) for p in pools]
+    dev_pools = [columns(B(big.copy()), col, w.page_size * n) for (big, col), n in zip(w.pools, w.bytes_per_token)]
     sources = [kc.RealKvSource(p, w.page_size, n, r) for p, n, r in zip(dev_pools, w.bytes_per_token, w.read_bytes)]
     buf = kc.CanaryBuffer(B(np.zeros((w.num_slots, 32), np.uint8)))
     sink = kc.ViolationSink(B(np.zeros((w.ring_capacity, 8), np.int64)), B(np.zeros(1, np.int32)),
@@ -124,6 +125,15 @@ def run(w: Workload, to_backend, to_host, *, stream=None) -> dict:
              expected_input_ids=B(w.expected_input_ids), expected_positions=B(w.expected_positions), stream=stream)
     after_write = to_host(buf.array).copy()
     return {"canary_after_write": after_write, **_verify_phase(w, ctx, plan, B, to_host, stream)}
+
+
+def columns(array, start: int, width: int):
+    """array[:, start:start + width] without copying, for any backend (raw views for kvcanary's)."""
+    if hasattr(array, "__getitem__") and not isinstance(array, kc.ArrayView):
+        return array[:, start:start + width]
+    v = kc.as_view(array, name="pool")
+    return kc.from_pointer(v.ptr + start, (v.shape[0], width), np.uint8, device=v.device,
+                           strides=(v.strides[0], 1), owner=array)
 
 
 def _verify_phase(w, ctx, plan, B, to_host, stream):
@@ -143,12 +153,12 @@ def _verify_phase(w, ctx, plan, B, to_host, stream):
 
 def _recontext(ctx, canary_array, w, B, to_host):
     pools = []
-    for k, m in enumerate(ctx.sources):
-        host = to_host(m.tensor).copy()
+    for k, ((big, col), n) in enumerate(zip(w.pools, w.bytes_per_token)):
+        host = big.copy()
         for pk, row, byte, x in w.corrupt_kv:
             if pk == k:
-                host[row, byte] ^= x
-        pools.append(B(host))
+                host[row, col + byte] ^= x
+        pools.append(columns(B(host), col, w.page_size * n))
     sources = [kc.RealKvSource(p, w.page_size, n, r) for p, n, r in zip(pools, w.bytes_per_token, w.read_bytes)]
     return kc.VerifyContext(kc.CanaryBuffer(canary_array), ctx.sink, ctx.tag, sources, ctx.hash_mode,
                             chain_position_assert=ctx.chain_position_assert)
