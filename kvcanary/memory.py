@@ -131,3 +131,69 @@ def copy_to_host_ptr(host: np.ndarray, src_ptr: int, device: int) -> np.ndarray:
     check(rt.call(d.cuCtxSynchronize), "cuCtxSynchronize")
     check(rt.call(d.cuMemcpyDtoH, host.ctypes.data, src_ptr, host.nbytes), "cuMemcpyDtoH")
     return host
+
+
+class PinnedBuffer:
+    """Page-locked host memory (cuMemHostAlloc) seen as a numpy array; device-visible under UVA."""
+
+    def __init__(self, shape, dtype, device: int):
+        d, self.rt = driver._driver(), driver.runtime(device)
+        self.dtype, self.shape = np.dtype(dtype), tuple(shape)
+        nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        self.ptr = int(check(self.rt.call(d.cuMemHostAlloc, max(nbytes, 1), 0), "cuMemHostAlloc"))
+        import ctypes
+        raw = (ctypes.c_ubyte * max(nbytes, 1)).from_address(self.ptr)
+        self.array = np.frombuffer(raw, np.uint8, nbytes).view(self.dtype).reshape(self.shape)
+        self.array[...] = 0
+
+    def __del__(self):
+        ptr, self.ptr = getattr(self, "ptr", 0), 0
+        if ptr:
+            try:
+                self.rt.call(driver._driver().cuMemFreeHost, ptr)
+            except Exception:
+                pass
+
+
+class Event:
+    """A timing-free CUDA event: record on a stream, query without blocking."""
+
+    def __init__(self, device: int, timing: bool = False):
+        d, self.rt = driver._driver(), driver.runtime(device)
+        flags = 0 if timing else d.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        self.handle = check(self.rt.call(d.cuEventCreate, flags), "cuEventCreate")
+
+    def record(self, stream: int) -> None:
+        check(self.rt.call(driver._driver().cuEventRecord, self.handle, stream), "cuEventRecord")
+
+    def done(self) -> bool:
+        d = driver._driver()
+        (err,) = self.rt.call(d.cuEventQuery, self.handle)
+        if err == d.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        check((err,), "cuEventQuery")
+        return True
+
+    def synchronize(self) -> None:
+        check(self.rt.call(driver._driver().cuEventSynchronize, self.handle), "cuEventSynchronize")
+
+
+def new_stream(device: int) -> int:
+    """A non-blocking stream owned by the library (never synchronises with the legacy stream)."""
+    d, rt = driver._driver(), driver.runtime(device)
+    s = check(rt.call(d.cuStreamCreate, d.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+    return int(s)
+
+
+def stream_wait(stream: int, event: Event) -> None:
+    check(event.rt.call(driver._driver().cuStreamWaitEvent, stream, event.handle, 0), "cuStreamWaitEvent")
+
+
+def stream_synchronize(stream: int, device: int) -> None:
+    check(driver.runtime(device).call(driver._driver().cuStreamSynchronize, stream), "cuStreamSynchronize")
+
+
+def is_capturing(stream: int, device: int) -> bool:
+    d = driver._driver()
+    status = check(driver.runtime(device).call(d.cuStreamIsCapturing, stream), "cuStreamIsCapturing")
+    return status != d.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+import ctypes
+
 from . import abi, reference, streams
 from .errors import ValidationError
 from .plan import Batch, StepPlan
@@ -16,6 +18,24 @@ from .state import VerifyContext, checked, same_device
 
 BLOCK = 256
 _PREPARE_BLOCK = 1024
+
+
+class Launch:
+    """A validated, packed kernel launch: replaying it costs one cuLaunchKernel.
+
+    Holds the params struct and its pointer array, so both outlive every launch of it. Pointers
+    inside are fixed: replay only while the arrays it was built from are alive and unchanged.
+    """
+
+    __slots__ = ("rt", "name", "grid", "block", "params", "_ptrs", "address", "stream")
+
+    def __init__(self, rt, name: str, grid: int, block: int, params, stream: int):
+        self.rt, self.name, self.grid, self.block, self.params, self.stream = rt, name, grid, block, params, stream
+        self._ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        self.address = ctypes.addressof(self._ptrs)
+
+    def __call__(self, stream: int | None = None) -> None:
+        self.rt.launch(self.name, self.grid, self.block, self.address, self.stream if stream is None else stream)
 
 
 def _ref_sources(ctx: VerifyContext) -> list[reference.RefSource]:
@@ -48,6 +68,14 @@ def _check_plan_device(ctx: VerifyContext, plan: StepPlan) -> None:
 # ---- verify --------------------------------------------------------------------------------------
 def verify(ctx: VerifyContext, plan: StepPlan, *, check_expected_token: bool = False, stream=None) -> None:
     """Verify the materialised plan's entries against ``ctx`` (SPEC §6). Read-only on the buffer."""
+    launch = prepare_verify(ctx, plan, check_expected_token=check_expected_token, stream=stream)
+    if launch is not None:
+        launch()
+
+
+def prepare_verify(ctx: VerifyContext, plan: StepPlan, *, check_expected_token: bool = False,
+                   stream=None) -> Launch | None:
+    """:func:`verify` validated and packed; host arrays run on the reference now (returns None)."""
     _check_plan_device(ctx, plan)
     if not plan.materialized:
         raise ValidationError("kv-canary: verify() needs a materialised plan; fix: "
@@ -70,13 +98,22 @@ def verify(ctx: VerifyContext, plan: StepPlan, *, check_expected_token: bool = F
     p.plan_capacity, p.check_expected_token = plan.verify_capacity, int(bool(check_expected_token))
     rt = _runtime(ctx.device)
     s = streams.resolve(stream, (ctx.buffer.array, plan.slot), views.values(), ctx.device)
-    rt.launch_struct("kvc_verify", _grid(rt, plan.verify_capacity), BLOCK, p, s)
+    return Launch(rt, "kvc_verify", _grid(rt, plan.verify_capacity), BLOCK, p, s)
 
 
 # ---- write ---------------------------------------------------------------------------------------
 def write(ctx: VerifyContext, plan: StepPlan, input_ids, positions, out_cache_loc, *,
           expected_input_ids=None, expected_positions=None, stream=None) -> None:
     """Stamp new tokens into ``ctx``'s buffer along the write plan (SPEC §7)."""
+    launch = prepare_write(ctx, plan, input_ids, positions, out_cache_loc, stream=stream,
+                           expected_input_ids=expected_input_ids, expected_positions=expected_positions)
+    if launch is not None:
+        launch()
+
+
+def prepare_write(ctx: VerifyContext, plan: StepPlan, input_ids, positions, out_cache_loc, *,
+                  expected_input_ids=None, expected_positions=None, stream=None) -> Launch | None:
+    """:func:`write` validated and packed; host arrays run on the reference now (returns None)."""
     _check_plan_device(ctx, plan)
     tok = checked(input_ids, "input_ids", dtype=np.int64, ndim=1)
     T = tok.shape[0]
@@ -112,7 +149,7 @@ def write(ctx: VerifyContext, plan: StepPlan, input_ids, positions, out_cache_lo
     p.chain_position_assert = ctx.flag_view.ptr
     rt = _runtime(ctx.device)
     s = streams.resolve(stream, (input_ids, ctx.buffer.array), views, ctx.device)
-    rt.launch_struct("kvc_write", _grid(rt, plan.max_batch, BLOCK // 32), BLOCK, p, s)
+    return Launch(rt, "kvc_write", _grid(rt, plan.max_batch, BLOCK // 32), BLOCK, p, s)
 
 
 # ---- plan builder and fused verify -------------------------------------------------------------------
@@ -158,6 +195,13 @@ def _batch_views(batch: Batch, plan: StepPlan, swa_window: int, swa_map) -> dict
 def build_plan(batch: Batch, plan: StepPlan, *, swa_window: int = 0, swa_map=None, stream=None) -> None:
     """Fill ``plan`` from ``batch`` (SPEC §8): WritePlan, entry offsets, overflow rule, and the
     per-entry VerifyPlan when the plan is materialised."""
+    for launch in prepare_build_plan(batch, plan, swa_window=swa_window, swa_map=swa_map, stream=stream):
+        launch()
+
+
+def prepare_build_plan(batch: Batch, plan: StepPlan, *, swa_window: int = 0, swa_map=None,
+                       stream=None) -> list[Launch]:
+    """:func:`build_plan` validated and packed (one or two launches); host arrays run now."""
     v = _batch_views(batch, plan, swa_window, swa_map)
     if plan.device is None:
         h = lambda a: None if a is None else np.asarray(a)  # noqa: E731
@@ -170,7 +214,7 @@ def build_plan(batch: Batch, plan: StepPlan, *, swa_window: int = 0, swa_map=Non
                             swa_map=h(swa_map), expected_pool=h(batch.expected_pool),
                             expected_valid_lens=h(batch.expected_valid_lens),
                             expected_token_offset=batch.expected_token_offset)
-        return
+        return []
     rt = _runtime(plan.device)
     s = streams.resolve(stream, (batch.req_pool_indices,), v.values(), plan.device)
     p = abi.PrepareParams()
@@ -179,28 +223,37 @@ def build_plan(batch: Batch, plan: StepPlan, *, swa_window: int = 0, swa_map=Non
     p.write_seed = checked(plan.seed, "plan.seed", dtype=np.int64, ndim=1).ptr
     p.write_num_valid_reqs = checked(plan.num_valid_reqs, "plan.num_valid_reqs", dtype=np.int32, ndim=1).ptr
     p.write_req_capacity = plan.max_batch
-    rt.launch_struct("kvc_prepare", 1, _PREPARE_BLOCK, p, s)
+    launches = [Launch(rt, "kvc_prepare", 1, _PREPARE_BLOCK, p, s)]
     if plan.materialized:
         e = abi.ExpandParams()
         _fill_batch(e, v, batch, plan, swa_window, swa_map)
         e.plan_slot, e.plan_expected_token, e.plan_expected_position, e.plan_prev_slot = (
             checked(a, "plan entries", dtype=np.int64, ndim=1).ptr
             for a in (plan.slot, plan.expected_token, plan.expected_position, plan.prev_slot))
-        rt.launch_struct("kvc_expand", _grid(rt, plan.verify_capacity), BLOCK, e, s)
+        launches.append(Launch(rt, "kvc_expand", _grid(rt, plan.verify_capacity), BLOCK, e, s))
+    return launches
 
 
 def fused_verify(ctx: VerifyContext, batch: Batch, plan: StepPlan, *, swa_window: int = 0,
                  swa_map=None, check_expected_token: bool = False, stream=None) -> None:
     """Verify the batch's cached prefixes straight from ``req_to_token`` (after :func:`build_plan`
     filled ``plan``'s entry offsets); same rows and counters as build_plan + verify."""
+    launch = prepare_fused_verify(ctx, batch, plan, swa_window=swa_window, swa_map=swa_map,
+                                  check_expected_token=check_expected_token, stream=stream)
+    if launch is not None:
+        launch()
+
+
+def prepare_fused_verify(ctx: VerifyContext, batch: Batch, plan: StepPlan, *, swa_window: int = 0,
+                         swa_map=None, check_expected_token: bool = False, stream=None) -> Launch | None:
+    """:func:`fused_verify` validated and packed; host arrays run on the reference now."""
     _check_plan_device(ctx, plan)
     if ctx.device is None:  # the reference has one definition: the materialised plan
-        verify(ctx, plan, check_expected_token=check_expected_token)
-        return
+        return prepare_verify(ctx, plan, check_expected_token=check_expected_token)
     v = _batch_views(batch, plan, swa_window, swa_map)
     p = ctx.params(abi.FusedVerifyParams)
     _fill_batch(p, v, batch, plan, swa_window, swa_map)
     p.check_expected_token = int(bool(check_expected_token))
     rt = _runtime(ctx.device)
     s = streams.resolve(stream, (batch.req_pool_indices, ctx.buffer.array), v.values(), ctx.device)
-    rt.launch_struct("kvc_fused_verify", _grid(rt, plan.verify_capacity), BLOCK, p, s)
+    return Launch(rt, "kvc_fused_verify", _grid(rt, plan.verify_capacity), BLOCK, p, s)

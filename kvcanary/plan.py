@@ -32,6 +32,8 @@ class Batch:
       must come last); ``out_cache_loc`` -1 skips an entry.
     - ``expected_pool`` (int64 ``[rows, len]``), ``expected_valid_lens`` (int64 ``[bs]``) and
       ``expected_token_offset`` (0 target model, +1 draft model): optional expected tokens.
+    - ``expected_input_ids``, ``expected_positions``: optional int64 ``[T]`` the write asserts.
+    - ``swa_out_cache_loc``: int64 ``[T]``, the SWA-pool slots of the new tokens (SWA group only).
     """
 
     req_pool_indices: Any
@@ -46,6 +48,7 @@ class Batch:
     expected_token_offset: int = 0
     expected_input_ids: Any = None
     expected_positions: Any = None
+    swa_out_cache_loc: Any = None
 
     def views(self) -> dict[str, ArrayView]:
         v = {
@@ -59,7 +62,8 @@ class Batch:
                 raise ValidationError(f"kv-canary: batch.{name} must have shape ({bs},) like "
                                       f"req_pool_indices, got {v[name].shape}")
         v["req_to_token"] = checked(self.req_to_token, "batch.req_to_token", dtype=np.int32, ndim=2)
-        for name in ("input_ids", "positions", "out_cache_loc", "expected_input_ids", "expected_positions"):
+        for name in ("input_ids", "positions", "out_cache_loc", "expected_input_ids", "expected_positions",
+                     "swa_out_cache_loc"):
             if getattr(self, name) is not None:
                 v[name] = checked(getattr(self, name), f"batch.{name}", dtype=np.int64, ndim=1)
         if self.expected_pool is not None:
