@@ -75,6 +75,12 @@ def _check(result, what: str) -> None:
         raise CompileError(f"kv-canary: {what} failed with {result.name}")
 
 
+def _out_buffer(size: int) -> bytes:
+    """A fresh bytes object NVRTC may write into. Never a 0- or 1-byte one: CPython shares those
+    as singletons, and writing into one corrupts every b" " (and str " ") in the process."""
+    return bytes(max(int(size), 2))
+
+
 def compile_cubin(sources: dict[str, str], prelude: str, arch: int,
                   options: tuple[str, ...] = OPTIONS) -> bytes:
     """Compile every .cu of ``sources`` as one NVRTC program for sm_<arch>; return the cubin."""
@@ -89,7 +95,7 @@ def compile_cubin(sources: dict[str, str], prelude: str, arch: int,
     try:
         (result,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
         err, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        log = b" " * size
+        log = _out_buffer(size)
         nvrtc.nvrtcGetProgramLog(prog, log)
         log_text = log.rstrip(b"\0 ").decode(errors="replace")
         if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
@@ -101,9 +107,9 @@ def compile_cubin(sources: dict[str, str], prelude: str, arch: int,
                                log=log_text, options=opts, source=shown)
         err, size = nvrtc.nvrtcGetCUBINSize(prog)
         _check(err, "nvrtcGetCUBINSize")
-        cubin = b" " * size
+        cubin = _out_buffer(size)
         _check(nvrtc.nvrtcGetCUBIN(prog, cubin)[0], "nvrtcGetCUBIN")
-        return cubin
+        return cubin[:size]
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 

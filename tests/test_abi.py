@@ -1,0 +1,91 @@
+"""ABI single source: ctypes layouts, the generated prelude and its compile-time layout checks."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+
+import pytest
+
+from kvcanary import abi, compile as kc_compile
+from kvcanary.errors import CompileError
+
+
+@pytest.mark.parametrize("decl", abi.STRUCTS, ids=lambda d: d.name)
+def test_ctypes_sizes_and_offsets_match_the_tables(decl):
+    ct = abi.CTYPES[decl.name]
+    assert ctypes.sizeof(ct) == abi.struct_size(decl)
+    for name, off in abi.layout(decl).items():
+        assert getattr(ct, name).offset == off, name
+
+
+def test_spec_constants():
+    assert abi.ANCHOR == 0xC0FFEE1234567890 and abi.SLOT_BYTES == 32 and abi.RING_COLS == 8
+    assert [int(b) for b in abi.FailReason][:6] == [1, 2, 4, 8, 16, 32]
+    assert [t.name for t in abi.LaunchTag][:4] == ["HEAD_K_FULL", "HEAD_V_FULL", "TAIL_K_FULL", "TAIL_V_FULL"]
+    assert abi.LaunchTag.SWEEP_V_SWA == 11 and abi.MAX_REAL_KV_SOURCES == 64
+    assert (abi.COL_KERNEL_KIND, abi.COL_FAIL_REASON_BITS) == (0, 7)
+
+
+def test_prelude_defines_every_constant_and_struct():
+    text = abi.render_prelude()
+    for name, value in abi.constants().items():
+        assert re.search(rf"#define {name} \(\([a-z ]+\){value}(ULL|LL)\)", text), name
+    for decl in abi.STRUCTS:
+        assert f"struct {decl.name} {{" in text
+        assert f"sizeof({decl.name}) == {abi.struct_size(decl)}" in text
+    assert "unsigned long long ptr" not in text  # pointers keep their C types
+    assert "const long long* plan_slot;" in text
+
+
+def test_kernel_table_names_existing_structs():
+    names = {d.name for d in abi.STRUCTS}
+    assert set(abi.KERNELS.values()) <= names
+    sources = kc_compile.read_sources()
+    body = "\n".join(sources.values())
+    for kernel in abi.KERNELS:
+        if not kernel.startswith("kvc_echo_"):
+            assert re.search(rf"\b{kernel}\(", body), kernel
+
+
+def test_no_kvcanary_number_typed_into_kernel_sources():
+    """Hash constants, bit values and the anchor come from the prelude, never from .cu text."""
+    text = "\n".join(kc_compile.read_sources().values()).lower()
+    for value in (abi.ANCHOR, abi.SM_MUL1, abi.SM_MUL2):
+        assert f"{value:x}" not in text
+    assert "0xc0ffee" not in text
+
+
+def test_misaligned_field_is_rejected_in_python():
+    bad = abi.StructDecl("Bad", (abi.Field("a", "i32"), abi.Field("b", "i64")))
+    with pytest.raises(AssertionError, match="misaligned"):
+        abi.layout(bad)
+
+
+@pytest.mark.parametrize("arch", kc_compile.DEFAULT_ARCHS)
+def test_every_kernel_compiles_for_every_default_arch(arch):
+    cubin = kc_compile.compile_cubin(kc_compile.read_sources(), abi.render_prelude(), arch)
+    assert cubin[:4] == b"\x7fELF"
+    for kernel in abi.KERNELS:
+        assert kernel.encode() in cubin
+    # A clean compile has a 1-byte log: writing it must not touch CPython's shared b" ".
+    assert b" "[0] == 32 and " ".join(["str", "tag"]) == "str tag"
+
+
+def test_layout_drift_fails_the_compile_with_the_static_assert():
+    offsets = {d.name: abi.layout(d) for d in abi.STRUCTS}
+    offsets["KvcVerifyParams"] = dict(offsets["KvcVerifyParams"], plan_capacity=offsets["KvcVerifyParams"]["plan_capacity"] + 8)
+    with pytest.raises(CompileError) as err:
+        kc_compile.compile_cubin(kc_compile.read_sources(), abi.render_prelude(offsets=offsets), 90)
+    assert "offset of KvcVerifyParams.plan_capacity differs from abi.py" in str(err.value)
+    assert "--gpu-architecture=sm_90" in str(err.value)  # the error carries the options
+
+
+def test_compile_error_carries_log_and_numbered_source():
+    sources = dict(kc_compile.read_sources())
+    sources["verify.cu"] = sources["verify.cu"].replace("kvc_clamp(*p.plan_num_valid", "kvc_clamp(*p.no_such_field")
+    with pytest.raises(CompileError) as err:
+        kc_compile.compile_cubin(sources, abi.render_prelude(), 80)
+    text = str(err.value)
+    assert text.startswith("kv-canary:") and "no_such_field" in text and "--- source ---" in text
+    assert re.search(r"^\s+\d+  ", text, re.M)  # numbered lines

@@ -1,0 +1,107 @@
+"""Compile cache: keys name every input, atomic writes, corrupt entries are misses, fallbacks."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from kvcanary import cache as kcache
+from kvcanary import compile as kc_compile
+
+BASE = dict(schema="s", kvcanary="0.1", nvrtc=(13, 0), arch=90, options=("-a",), prelude=b"p", sources=(("a.cu", b"x"),))
+
+
+@pytest.mark.parametrize("field,value", [("schema", "t"), ("kvcanary", "0.2"), ("nvrtc", (13, 1)), ("arch", 80),
+                                         ("options", ("-b",)), ("prelude", b"q"), ("sources", (("a.cu", b"y"),))])
+def test_key_changes_with_each_input(field, value):
+    assert kcache.cache_key(**BASE) != kcache.cache_key(**dict(BASE, **{field: value}))
+    assert len(kcache.cache_key(**BASE)) == 64
+
+
+def test_roundtrip_and_atomic_write(tmp_path):
+    c = kcache.CubinCache(tmp_path)
+    c.put("k" * 64, b"cubin-bytes")
+    assert [p.name for p in tmp_path.iterdir()] == ["k" * 64 + ".cubin"]  # no temp files left behind
+    fresh = kcache.CubinCache(tmp_path)
+    assert fresh.get("k" * 64) == b"cubin-bytes" and fresh.hits == 1
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "empty", "garbage"])
+def test_corrupt_entry_is_a_miss(tmp_path, damage):
+    kcache.CubinCache(tmp_path).put("a" * 64, b"x" * 1000)
+    path = tmp_path / ("a" * 64 + ".cubin")
+    blob = path.read_bytes()
+    path.write_bytes({"truncate": blob[:-10], "flip": blob[:-1] + bytes([blob[-1] ^ 1]), "empty": b"",
+                      "garbage": b"not a cache entry"}[damage])
+    c = kcache.CubinCache(tmp_path)
+    assert c.get("a" * 64) is None and c.misses == 1
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores directory permissions")
+def test_read_only_dir_falls_back_to_memory_with_one_warning(tmp_path):
+    tmp_path.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    _check_fallback(tmp_path / "sub")
+
+
+def test_unwritable_dir_falls_back_to_memory_with_one_warning(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the cache directory should be")
+    _check_fallback(blocker / "cache")
+
+
+def _check_fallback(directory):
+    c = kcache.CubinCache(directory)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        c.put("b" * 64, b"one")
+        c.put("c" * 64, b"two")
+    assert len([w for w in caught if "not writable" in str(w.message)]) == 1
+    assert c.get("b" * 64) == b"one" and c.get("c" * 64) == b"two"
+
+
+def test_env_disables_and_redirects(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVCANARY_CACHE", "0")
+    assert kcache.default_dir() is None
+    monkeypatch.setenv("KVCANARY_CACHE", "1")
+    monkeypatch.setenv("KVCANARY_CACHE_DIR", str(tmp_path))
+    assert kcache.default_dir() == tmp_path
+
+
+def test_load_kernels_hits_after_a_miss(tmp_path):
+    c = kcache.CubinCache(tmp_path)
+    first = kc_compile.load_kernels((90,), cache=c)
+    second = kc_compile.load_kernels((90,), cache=kcache.CubinCache(tmp_path))
+    assert (first.misses, second.hits, second.misses) == (1, 1, 0)
+    assert first.cubins == second.cubins
+
+
+def test_archs_env(monkeypatch):
+    monkeypatch.setenv("KVCANARY_ARCHS", "sm_90, 80")
+    assert kc_compile.configured_archs() == (80, 90)
+    monkeypatch.setenv("KVCANARY_ARCHS", "ninety")
+    with pytest.raises(ValueError, match="kv-canary: KVCANARY_ARCHS"):
+        kc_compile.configured_archs()
+
+
+def test_import_never_calls_cuinit(tmp_path):
+    """Import in a fresh interpreter with cuInit (and every other driver entry point) patched."""
+    code = (
+        "import cuda.bindings.driver as d\n"
+        "calls = []\n"
+        "for name in dir(d):\n"
+        "    obj = getattr(d, name)\n"
+        "    if name.startswith('cu') and callable(obj) and not isinstance(obj, type):\n"
+        "        setattr(d, name, (lambda n: lambda *a, **k: calls.append(n))(name))\n"
+        "import kvcanary\n"
+        "assert kvcanary.COMPILED.cubins, 'no cubins'\n"
+        "print('driver calls:', calls)\n"
+        "assert calls == [], calls\n")
+    env = dict(os.environ, KVCANARY_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=os.getcwd())
+    assert out.returncode == 0, out.stderr + out.stdout
+    assert "driver calls: []" in out.stdout
