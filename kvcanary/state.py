@@ -38,8 +38,8 @@ def checked(array, name: str, *, dtype, shape=None, ndim=None, writable=False) -
     if shape is not None:
         for want, got in zip(shape, v.shape):
             if want is not None and want != got:
-                raise ValidationError(f"kv-canary: {name} must have shape "
-                                      f"{tuple('*' if s is None else s for s in shape)}, got {v.shape}")
+                want_text = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+                raise ValidationError(f"kv-canary: {name} must have shape {want_text}, got {v.shape}")
     if not v.is_c_contiguous():
         raise ValidationError(f"kv-canary: {name} must be C-contiguous, got strides {v.strides} for "
                               f"shape {v.shape}; fix: .contiguous() / np.ascontiguousarray")

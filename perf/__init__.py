@@ -1,0 +1,1 @@
+"""kvcanary's benchmark suite (pytest-benchmark); see perf/README.md."""

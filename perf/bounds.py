@@ -1,0 +1,150 @@
+"""Bounds measured in the same run as the benchmarks they judge.
+
+- copy bandwidth: ``cuMemcpyDtoDAsync`` of 2 GiB, bytes read + written per second;
+- "same loads, no compute" probes of each verify variant (perf/kernels/probes.cu);
+- the serial-chain probe: one thread running ``kvc_mix3`` N times, no memory traffic;
+- the host floor of a raw ``cuLaunchKernel`` of kvcanary's own empty kernel ``kvc_empty``
+  (``KvcProbeParams`` through a prepacked pointer array), and the GPU time of an empty launch.
+
+The probes are compiled here with kvcanary's NVRTC path (``compile_cubin`` with the generated ABI
+prelude and kernels_src's ``common.cuh``) and loaded with ``cuLibraryLoadData``; they are never
+part of kernels_src/, so they never ship and never enter kvcanary's compile cache key.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+from cuda.bindings import driver as cu
+
+from kvcanary import abi, memory
+from kvcanary.compile import compile_cubin, kernels_dir
+from kvcanary.driver import check
+
+from .timing import GpuTimer, pack_args
+
+PROBES_CU = Path(__file__).resolve().parent / "kernels" / "probes.cu"
+PROBE_NAMES = ("kvcp_spin", "kvcp_read", "kvcp_fill", "kvcp_chain", "kvcp_verify_loads")
+KEY = 0x5EED_C0DE_0BAD_F00D  # probes store their folded loads only if they equal this: never
+COPY_BYTES = 2 << 30
+BLOCK = 256
+
+i64, u64 = ctypes.c_int64, ctypes.c_uint64
+
+
+def probe_sources() -> dict[str, str]:
+    """The probe program for compile_cubin: probes.cu plus the kernels' own common.cuh."""
+    return {"probes.cu": PROBES_CU.read_text(), "common.cuh": (kernels_dir() / "common.cuh").read_text()}
+
+
+def compile_probes(arch: int) -> bytes:
+    return compile_cubin(probe_sources(), abi.render_prelude(), arch)
+
+
+class Probes:
+    """The probe kernels loaded on one device; each method enqueues one launch on ``stream``."""
+
+    def __init__(self, rt):
+        self.rt = rt
+        lib = check(rt.call(cu.cuLibraryLoadData, compile_probes(rt.arch), None, None, 0, None, None, 0),
+                    "cuLibraryLoadData(probes)")
+        self.library = lib
+        self.fn = {n: check(cu.cuKernelGetFunction(check(cu.cuLibraryGetKernel(lib, n.encode()), n)), n)
+                   for n in PROBE_NAMES}
+        self.out = memory.zeros((1024,), np.uint64)
+
+    def grid(self, items: int, per_sm: int = 32) -> int:
+        return max(1, min(-(-items // BLOCK), self.rt.sm_count * per_sm))
+
+    def launch(self, name: str, grid: int, block: int, stream: int, *args) -> None:
+        addr, keep = pack_args(*args)
+        check(cu.cuLaunchKernel(self.fn[name], grid, 1, 1, block, 1, 1, 0, stream, addr, 0), name)
+        del keep  # cuLaunchKernel copied the arguments
+
+    def spin(self, ns: int, stream: int) -> None:
+        self.launch("kvcp_spin", 1, 32, stream, i64(ns))
+
+    def read(self, ptr: int, nbytes: int, stream: int) -> None:
+        n16 = nbytes // 16
+        self.launch("kvcp_read", self.grid(n16, 8), BLOCK, stream, u64(ptr), i64(n16), u64(KEY), u64(self.out.ptr))
+
+    def fill(self, ptr: int, nbytes: int, seed: int, stream: int) -> None:
+        n = nbytes // 8
+        self.launch("kvcp_fill", self.grid(n, 8), BLOCK, stream, u64(ptr), i64(n), u64(seed))
+
+    def chain(self, n: int, stream: int) -> None:
+        self.launch("kvcp_chain", 1, 32, stream, i64(n), u64(KEY), u64(self.out.ptr))
+
+    def verify_loads(self, stream: int, *, canary, n: int, plan=None, rpi=None, rtt=None,
+                     per_req: int = 1, src=None, src_row_stride: int = 0, page_size: int = 1,
+                     bytes_per_token: int = 16, hash_bytes: int = 0) -> None:
+        """The loads of ``n`` verify entries: ``plan`` (a materialised StepPlan) or the fused
+        indexing through ``rpi``/``rtt`` (uniform ``per_req`` entries per request)."""
+        p = lambda a: u64(0 if a is None else a.ptr)  # noqa: E731
+        planned = (plan.slot, plan.expected_token, plan.expected_position, plan.prev_slot) if plan else (None,) * 4
+        rtt_stride = rtt.shape[1] if rtt is not None else 0
+        self.launch("kvcp_verify_loads", self.grid(n), BLOCK, stream,
+                    p(canary), i64(canary.shape[1] // 8), *(p(a) for a in planned), p(rpi), p(rtt),
+                    i64(rtt_stride), i64(per_req), p(src), i64(src_row_stride), i64(page_size),
+                    i64(bytes_per_token), i64(hash_bytes), i64(n), u64(KEY), u64(self.out.ptr))
+
+
+class Bounds:
+    """Bounds of this run, each measured once on first use (session-wide)."""
+
+    def __init__(self, rt, probes: Probes, timer: GpuTimer):
+        self.rt, self.probes, self.timer = rt, probes, timer
+        self._chain: dict[int, float] = {}
+
+    @cached_property
+    def copy_bandwidth(self) -> float:
+        """Device-to-device copy, bytes read + written per second."""
+        src, dst = memory.empty((COPY_BYTES,), np.uint8), memory.empty((COPY_BYTES,), np.uint8)
+        self.probes.fill(src.ptr, COPY_BYTES, 3, self.timer.handle)
+        copy = lambda s: check(cu.cuMemcpyDtoDAsync(dst.ptr, src.ptr, COPY_BYTES, s), "cuMemcpyDtoDAsync")  # noqa: E731
+        t = self.timer.gpu_time(copy, warmup=3, repeat=15, flush=False)
+        self.timer.sync()
+        return 2 * COPY_BYTES / t
+
+    @cached_property
+    def raw_launch(self) -> tuple[object, int, object]:
+        """(function, pointer-array address, keep-alive) of a raw kvc_empty launch."""
+        params = abi.ProbeParams()
+        addr, keep = pack_args(params)
+        return self.rt.functions["kvc_empty"], addr, keep
+
+    def raw_launch_fn(self):
+        fn, addr, _ = self.raw_launch
+        h = self.timer.handle
+        return lambda: cu.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, h, addr, 0)
+
+    @cached_property
+    def launch_floor(self) -> float:
+        """Host seconds per raw cuLaunchKernel (prepacked pointer array, no checks)."""
+        return self.timer.host_time({"raw": self.raw_launch_fn()})["raw"]
+
+    @cached_property
+    def gpu_launch_floor(self) -> float:
+        """GPU seconds per empty kernel, 100 back to back on one stream (eager)."""
+        raw = self.raw_launch_fn()
+        return self.timer.gpu_time(lambda s: [raw() for _ in range(100)], flush=False) / 100
+
+    def chain(self, n: int) -> float:
+        """GPU seconds of the serial-chain probe over ``n`` mix3 steps."""
+        if n not in self._chain:
+            self._chain[n] = self.timer.gpu_time(lambda s: self.probes.chain(n, s), repeat=15, flush=False)
+        return self._chain[n]
+
+    def verify_probe(self, w, mode: str, plan=None) -> float:
+        """GPU seconds of the same loads as a verify of workload ``w`` in ``mode`` (no hashing)."""
+        ctx = w.context(mode)
+        hb = w.hash_bytes(mode)
+        src = w.pool if hb else None
+        run = lambda s: self.probes.verify_loads(  # noqa: E731
+            s, canary=ctx.buffer.array, n=w.entries, plan=plan, rpi=w.rpi, rtt=w.rtt,
+            per_req=w.prefix, src=src, src_row_stride=w.bytes_per_token, page_size=1,
+            bytes_per_token=w.bytes_per_token, hash_bytes=hb)
+        return self.timer.gpu_time(run)

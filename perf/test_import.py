@@ -1,0 +1,57 @@
+"""Issue 2: ``import kvcanary`` wall time, in a fresh interpreter each time (CPU; no GPU needed).
+
+Measured inside the subprocess around the import statement alone (interpreter start-up is not
+counted), against importing ``cuda.bindings.driver`` and ``cuda.bindings.nvrtc`` alone. Warm: the
+compile cache (``KVCANARY_CACHE_DIR``, a temporary directory) already holds every cubin. Cold: a
+fresh empty cache directory per import, so every kernel is compiled with NVRTC for every arch.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+BASELINE = "import cuda.bindings.driver, cuda.bindings.nvrtc"
+TIMED = "import time; t0 = time.perf_counter(); {stmt}; print(repr(time.perf_counter() - t0))"
+BEYOND_TARGET_S = 0.3
+
+
+def import_seconds(stmt: str, cache_dir: Path) -> float:
+    env = dict(os.environ, KVCANARY_CACHE_DIR=str(cache_dir), PYTHONDONTWRITEBYTECODE="1")
+    env.pop("KVCANARY_CACHE", None)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    out = subprocess.run([sys.executable, "-c", TIMED.format(stmt=stmt)], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise AssertionError(f"`{stmt}` failed in a subprocess:\n{out.stderr[-3000:]}")
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("cache", ["warm", "cold"])
+def test_import_time(report, tmp_path, cache):
+    repeat = 7 if cache == "warm" else 3
+    warm_dir = tmp_path / "warm"
+    import_seconds("import kvcanary", warm_dir)  # fills the warm cache (and the OS file cache)
+
+    def measure():
+        base, lib = [], []
+        for i in range(repeat):  # interleaved, so machine noise hits both alike
+            base.append(import_seconds(BASELINE, warm_dir))
+            lib.append(import_seconds("import kvcanary", warm_dir if cache == "warm" else tmp_path / f"cold{i}"))
+        return statistics.median(lib), statistics.median(base)
+
+    lib_s, base_s = report.measure(measure)
+    beyond = lib_s - base_s
+    if cache == "warm":
+        report.row("import kvcanary, warm cache", lib_s, "s", bound=base_s,
+                   bound_name="import cuda.bindings", ok=beyond <= BEYOND_TARGET_S,
+                   target_text=f"<= bound + {BEYOND_TARGET_S} s", beyond_s=beyond)
+    else:
+        report.row("import kvcanary, empty cache (NVRTC compile)", lib_s, "s", bound=base_s,
+                   bound_name="import cuda.bindings", beyond_s=beyond)

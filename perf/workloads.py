@@ -1,0 +1,151 @@
+"""Device workloads of the benchmarks: an engine batch over a KV pool, clean canary records.
+
+A :class:`Workload` is ``bs`` requests whose first ``prefix`` tokens are cached (and verified
+each step) and whose next ``extend`` tokens are written each step: decode is ``extend = 1``, a
+prefill ``prefix = 0``. Slots are a random permutation of ``1..num_slots-1`` (a busy pool
+scatters tokens; slot 0 is the padding slot), ``req_to_token`` rows ``1..bs`` (row 0 is padding).
+Each context's buffer is stamped over the prefix once by kvcanary's own write, so every timed
+verify is clean (the fast path) and every timed write re-stamps identical records: a timed step
+is idempotent and can be repeated. The real-KV pool is ``[num_slots, bytes_per_token]`` uint8
+filled with hashed bytes on the device. Byte counts (``*_bytes``) are what a launch must touch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+import kvcanary as kc
+from kvcanary import abi, memory
+
+MODES = {"identity": abi.HashMode.NONE, "partial": abi.HashMode.PARTIAL, "all": abi.HashMode.ALL}
+RECORD, PRED, RTT, I64 = abi.SLOT_BYTES, 24, 4, 8
+
+
+@dataclass
+class Workload:
+    bs: int
+    prefix: int
+    extend: int
+    bytes_per_token: int
+    num_slots: int
+    slots: np.ndarray            # host [bs, prefix + extend]: the slot of each request position
+    rpi: memory.DeviceArray
+    rtt: memory.DeviceArray
+    batch: kc.Batch              # the timed step
+    setup: kc.Batch | None       # stamps the prefix
+    pool: memory.DeviceArray | None
+    sink: kc.ViolationSink
+    stream: int
+    contexts: dict = field(default_factory=dict)
+
+    @property
+    def entries(self) -> int:
+        return self.bs * self.prefix
+
+    @property
+    def new_tokens(self) -> int:
+        return self.bs * self.extend
+
+    @property
+    def label(self) -> str:
+        return f"decode bs{self.bs}x{self.prefix}" if self.extend == 1 else f"prefill {self.bs}x{self.extend}"
+
+    def hash_bytes(self, mode: str) -> int:
+        return {"identity": 0, "partial": abi.PARTIAL_HASH_BYTES, "all": self.bytes_per_token}[mode]
+
+    def plan(self, materialize: bool = False) -> kc.StepPlan:
+        return kc.StepPlan.allocate(self.bs, max(1, self.entries), device=0, materialize=materialize)
+
+    def context(self, mode: str, tag: abi.LaunchTag = abi.LaunchTag.TAIL_K_FULL) -> kc.VerifyContext:
+        """A stamped context of ``mode`` (cached per mode and tag)."""
+        key = (mode, int(tag))
+        if key not in self.contexts:
+            sources = [] if mode == "identity" else [
+                kc.RealKvSource(self.pool, 1, self.bytes_per_token, self.bytes_per_token)]
+            ctx = kc.VerifyContext(kc.CanaryBuffer.allocate(self.num_slots, device=0), self.sink, tag,
+                                   sources, MODES[mode])
+            if self.setup is not None:
+                plan = kc.StepPlan.allocate(self.bs, 1, device=0)
+                kc.build_plan(self.setup, plan, stream=self.stream)
+                write(ctx, plan, self.setup, self.stream)
+            self.contexts[key] = ctx
+        return self.contexts[key]
+
+    def violations(self) -> int:
+        return int(self.sink.arrays[1].numpy()[0])
+
+    # ---- bytes a launch must touch (each input read once, each output written once) -----------
+    def verify_bytes(self, mode: str) -> int:
+        """Per entry: its req_to_token int32 and its 32-byte record, plus the fingerprinted bytes.
+        The predecessor's record is another entry's record, so it is not counted twice."""
+        return self.entries * (RTT + RECORD + self.hash_bytes(mode))
+
+    def verify_touched(self, mode: str, planned: bool) -> int:
+        """What the kernels load: plan (4 int64) or two req_to_token reads, record, predecessor."""
+        index = 4 * I64 if planned else 2 * RTT
+        preds = self.bs * max(0, self.prefix - 1)
+        return self.entries * (index + RECORD + self.hash_bytes(mode)) + preds * PRED
+
+    def write_bytes(self, mode: str) -> int:
+        """Per new token: token, position and slot in, a 32-byte record out, the fingerprinted
+        bytes; per request: the seed's chain fields."""
+        return self.new_tokens * (3 * I64 + RECORD + self.hash_bytes(mode)) + self.bs * PRED
+
+    def prepare_bytes(self) -> int:
+        return self.bs * (3 * I64 + RTT + 3 * I64)
+
+    def step_bytes(self, mode: str) -> int:
+        """HEAD (no real KV) + TAIL (``mode``) of one step, K half, with one plan build."""
+        return (self.prepare_bytes() + self.verify_bytes("identity") + self.write_bytes("identity")
+                + self.verify_bytes(mode) + self.write_bytes(mode))
+
+
+def write(ctx: kc.VerifyContext, plan: kc.StepPlan, batch: kc.Batch, stream: int) -> None:
+    kc.write(ctx, plan, batch.input_ids, batch.positions, batch.out_cache_loc, stream=stream)
+
+
+def make(bs: int, prefix: int, extend: int, *, probes, stream: int, bytes_per_token: int = 1024,
+         seed: int = 0) -> Workload:
+    rng = np.random.default_rng(seed)
+    length = prefix + extend
+    num_slots = bs * length + 1
+    slots = (rng.permutation(num_slots - 1) + 1).reshape(bs, length)
+    rtt = np.zeros((bs + 1, length), np.int32)
+    rtt[1:] = slots
+    tokens = rng.integers(0, 1 << 17, (bs, length)).astype(np.int64)
+    positions = np.broadcast_to(np.arange(length, dtype=np.int64), (bs, length))
+    dev = memory.to_device
+    rpi, rtt_d = dev(np.arange(1, bs + 1, dtype=np.int64)), dev(rtt)
+
+    def batch(lo: int, hi: int) -> kc.Batch:
+        return kc.Batch(req_pool_indices=rpi, prefix_lens=dev(np.full(bs, lo, np.int64)),
+                        extend_lens=dev(np.full(bs, hi - lo, np.int64)), req_to_token=rtt_d,
+                        input_ids=dev(np.ascontiguousarray(tokens[:, lo:hi]).reshape(-1)),
+                        positions=dev(np.ascontiguousarray(positions[:, lo:hi]).reshape(-1)),
+                        out_cache_loc=dev(np.ascontiguousarray(slots[:, lo:hi]).reshape(-1).astype(np.int64)))
+
+    pool = memory.empty((num_slots, bytes_per_token), np.uint8)
+    probes.fill(pool.ptr, pool.nbytes, 11 + seed, stream)
+    return Workload(bs, prefix, extend, bytes_per_token, num_slots, slots, rpi, rtt_d,
+                    batch(prefix, length), batch(0, prefix) if prefix else None, pool,
+                    kc.ViolationSink.allocate(device=0), stream)
+
+
+class Workloads:
+    """Session cache: building a 1M-entry workload and stamping its contexts is done once."""
+
+    def __init__(self, probes, timer):
+        self.probes, self.timer, self.cache = probes, timer, {}
+
+    def get(self, bs: int, prefix: int, extend: int) -> Workload:
+        key = (bs, prefix, extend)
+        if key not in self.cache:
+            self.cache[key] = make(bs, prefix, extend, probes=self.probes, stream=self.timer.handle)
+        return self.cache[key]
+
+
+DECODE_256 = (256, 4096, 1)
+STEP_SHAPES = {"decode-bs1": (1, 4096, 1), "decode-bs64": (64, 4096, 1), "decode-bs256": DECODE_256,
+               "prefill-32768": (1, 0, 32768)}

@@ -1,0 +1,119 @@
+"""A scripted serving session that drives KvCanary the way an engine does, on host or device.
+
+Requests: prefill, chunked prefill with a cached prefix, shared prefixes, decode, finish and slot
+reuse, an optional SWA group. ``corrupt`` hooks let a test break one thing at one step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import kvcanary as kc
+from kvcanary.manager import KvCanary, PoolGroup
+
+N, ROWS, MAXLEN, BYTES = 512, 8, 64, 64
+
+
+class Session:
+    def __init__(self, device=None, *, swa=False, hash_mode="partial", mode="log", **kw):
+        self.device, self.records = device, []
+        self.rng = np.random.default_rng(0)
+        self.k = [np.zeros((N, BYTES), np.uint8) for _ in range(2)]
+        self.v = [np.zeros((N, BYTES), np.uint8) for _ in range(2)]
+        self.dk = [self._dev(a) for a in self.k]
+        self.dv = [self._dev(a) for a in self.v]
+        self.rtt = np.zeros((ROWS, MAXLEN), np.int32)
+        self.lens = {}      # row -> tokens in cache
+        self.tokens = {}    # row -> token ids
+        self.free = list(range(1, N))
+        self.swa_map = np.arange(N, dtype=np.int64)[::-1].copy()  # full slot s -> SWA slot N-1-s
+        self.swa_map[0] = 0
+        src = lambda pools: [kc.RealKvSource(p, 1, BYTES) for p in pools]  # noqa: E731
+        full = PoolGroup(N, src(self.dk), src(self.dv))
+        swa_group = PoolGroup(N, src(self.dk), src(self.dv), window=4, full_to_swa=self._dev(self.swa_map)) if swa else None
+        self.canary = KvCanary(full, swa_group, device=device, hash_mode=hash_mode, mode=mode, max_batch=8,
+                               verify_capacity=4096, export=self.records.append, **kw)
+        self.step_no = 0
+
+    def _dev(self, a):
+        if self.device is None:
+            return a
+        from kvcanary import memory
+        return memory.to_device(a)
+
+    def _kv(self, token, pos, layer):
+        g = np.random.default_rng([int(token), int(pos), layer])
+        return g.integers(0, 256, BYTES, dtype=np.uint8)
+
+    def step(self, work, *, corrupt=None):
+        """work: list of (row, new token ids). Runs HEAD, the forward (KV writes), TAIL."""
+        rows, prefix, extend, ids, pos, loc = [], [], [], [], [], []
+        for row, new in work:
+            p = self.lens.get(row, 0)
+            rows.append(row); prefix.append(p); extend.append(len(new))
+            for j, t in enumerate(new):
+                s = self.free.pop(0)
+                self.rtt[row, p + j] = s
+                ids.append(t); pos.append(p + j); loc.append(s)
+            self.lens[row] = p + len(new)
+            self.tokens.setdefault(row, []).extend(new)
+        arrays = dict(rows=np.array(rows, np.int64), prefix=np.array(prefix, np.int64),
+                      extend=np.array(extend, np.int64), ids=np.array(ids, np.int64),
+                      pos=np.array(pos, np.int64), loc=np.array(loc, np.int64))
+        if corrupt:
+            corrupt(self, arrays)
+        B = self._dev
+        swa_loc = self.swa_map[arrays["loc"]]
+        batch = kc.Batch(B(arrays["rows"]), B(arrays["prefix"]), B(arrays["extend"]), B(self.rtt.copy()),
+                         B(arrays["ids"]), B(arrays["pos"]), B(arrays["loc"]), swa_out_cache_loc=B(swa_loc))
+        self.canary.before_forward(batch)
+        for t, p_, s in zip(arrays["ids"], arrays["pos"], arrays["loc"]):  # the "forward"
+            for layer in range(2):
+                self.k[layer][s] = self._kv(t, p_, layer)
+                self.v[layer][s] = self._kv(t, p_, layer + 7)
+        self.sync_pools()
+        self.canary.after_forward(batch)
+        self.step_no += 1
+        return batch
+
+    def sync_pools(self):
+        if self.device is not None:
+            for h, d in zip(self.k + self.v, self.dk + self.dv):
+                d.copy_from_host(h)
+
+    def share_prefix(self, src_row, dst_row, n):
+        """Radix reuse: dst_row starts with src_row's first n cached tokens (same slots)."""
+        self.rtt[dst_row, :n] = self.rtt[src_row, :n]
+        self.lens[dst_row] = n
+        self.tokens[dst_row] = list(self.tokens[src_row][:n])
+
+    def finish(self, row, keep=0):
+        for pos in range(keep, self.lens[row]):
+            self.free.append(int(self.rtt[row, pos]))
+        del self.lens[row]
+
+    def script(self, corrupt_at=None, corrupt=None):
+        """The standard session; ``corrupt`` is applied to step ``corrupt_at``."""
+        plan = [
+            [(1, list(range(100, 112)))],                                  # prefill A
+            [(1, [112]), (2, list(range(200, 208)))],                      # decode A, chunk 1 of B
+            [(1, [113]), (2, list(range(208, 214)))],                      # chunk 2 of B (cached prefix)
+            "share",                                                        # C shares A's first 6
+            [(1, [114]), (2, [214]), (3, [300, 301, 302, 303])],
+            "finish",                                                       # A done, D reuses row 1
+            [(2, [215]), (3, [304]), (1, [400, 401, 402])],
+            [(2, [216]), (3, [305]), (1, [403])],
+            [(2, [217]), (3, [306]), (1, [404])],
+        ]
+        k = 0
+        for item in plan:
+            if item == "share":
+                self.share_prefix(1, 3, 6)
+                continue
+            if item == "finish":
+                self.finish(1, keep=6)  # the first 6 slots stay cached (shared with C)
+                continue
+            self.step(item, corrupt=corrupt if k == corrupt_at else None)
+            k += 1
+        self.canary.flush()
+        return self.records

@@ -1,0 +1,137 @@
+"""KvCanary on the CPU reference: a scripted session stays clean; each fault surfaces in the
+right step with the right tag and reason; log vs raise; health check; stats and export."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+import kvcanary as kc
+from tests.session import Session
+
+
+def violations(records):
+    return [r for r in records if r["type"] == "violation"]
+
+
+@pytest.mark.parametrize("swa", [False, True])
+@pytest.mark.parametrize("hash_mode", ["none", "partial", "all"])
+def test_scripted_session_is_clean(swa, hash_mode):
+    s = Session(swa=swa, hash_mode=hash_mode, chain_position_assert=True)
+    records = s.script()
+    assert violations(records) == []
+    stats = s.canary.stats()
+    assert stats["verified_slots"] > 100 and stats["protected_tokens"] > 50
+    s.canary.health_check()
+
+
+def _wrong_rtt(sess, arrays):
+    row = 2  # B's cached position 3 now points at A's slot 0
+    sess.rtt[row, 3] = sess.rtt[1, 0]
+
+
+def test_wrong_req_to_token_entry_is_reported_at_head_in_that_step():
+    recs = violations(Session().script(corrupt_at=3, corrupt=_wrong_rtt))
+    step3 = [r for r in recs if r["step"] == 3]
+    assert step3 and {r["launch_tag"] for r in step3} >= {"HEAD_K_FULL", "HEAD_V_FULL", "TAIL_K_FULL"}
+    assert all("verify_position" in r["fail_reason"] or "verify_chain_hash" in r["fail_reason"] for r in step3)
+    assert all(r["step"] >= 3 for r in recs)
+
+
+def _flip_kv(sess, arrays):
+    slot = int(sess.rtt[2, 2])
+    sess.k[0][slot, 5] ^= 0x40
+    sess.sync_pools()
+
+
+@pytest.mark.parametrize("hash_mode,caught", [("partial", True), ("all", True), ("none", False)])
+def test_flipped_kv_byte_is_reported_at_tail(hash_mode, caught):
+    recs = violations(Session(hash_mode=hash_mode).script(corrupt_at=4, corrupt=_flip_kv))
+    if not caught:
+        assert recs == []  # identity-only mode does not read KV bytes (FAULTS.md coverage)
+        return
+    assert recs and recs[0]["step"] == 4
+    assert {r["launch_tag"] for r in recs} == {"TAIL_K_FULL"}
+    assert all(r["fail_reason"] == ["verify_real_kv_hash"] for r in recs)
+
+
+def _wrong_position(sess, arrays):
+    arrays["pos"][-1] += 1  # off by one at a chunk boundary
+
+
+def test_wrong_position_is_reported_by_the_write_assert_and_next_verify():
+    recs = violations(Session(chain_position_assert=True).script(corrupt_at=2, corrupt=_wrong_position))
+    assert any(r["step"] == 2 and r["fail_reason"] == ["write_position"] for r in recs)
+    assert any(r["step"] > 2 and "verify_position" in r["fail_reason"] for r in recs)
+
+
+def test_log_mode_logs_each_row(caplog):
+    with caplog.at_level(logging.WARNING, logger="kvcanary"):
+        Session().script(corrupt_at=3, corrupt=_wrong_rtt)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kv_canary violation:")]
+    assert lines and "launch_tag=HEAD_K_FULL" in lines[0]
+
+
+def test_raise_mode_raises_once_with_every_row():
+    s = Session(mode="raise")
+    with pytest.raises(kc.CanaryViolationError) as err:
+        s.script(corrupt_at=3, corrupt=_wrong_rtt)
+    assert len(err.value.violations) >= 3
+    assert str(err.value).count("kv_canary violation:") == len(err.value.violations)
+
+
+def test_mode_none_launches_nothing():
+    s = Session(mode="none")
+    s.script(corrupt_at=3, corrupt=_wrong_rtt)
+    assert s.canary.stats()["verified_slots"] == 0
+
+
+def test_health_check_fails_when_a_launch_did_not_run():
+    s = Session()
+    s.script()
+    s.canary.health_check()
+    s.canary._expected[0] += 1  # a launch the host enqueued but the device never ran
+    s.canary.poll()
+    with pytest.raises(kc.KvCanaryError, match="health check failed.*HEAD_K_FULL verify: ran"):
+        s.canary.health_check()
+
+
+def test_overflow_of_verify_capacity_warns():
+    s = Session()
+    s.canary.plans["FULL"].verify_capacity = 4
+    s.canary.plans["FULL"].slot = s.canary.plans["FULL"].slot[:4]
+    for name in ("expected_token", "expected_position", "prev_slot"):
+        setattr(s.canary.plans["FULL"], name, getattr(s.canary.plans["FULL"], name)[:4])
+    with pytest.warns(RuntimeWarning, match="verify was skipped"):
+        s.script()
+    assert s.canary.stats()["skipped_verifies"] > 0
+
+
+def test_sweep_finds_idle_corruption():
+    s = Session(hash_mode="all")
+    s.script()
+    slots = [int(x) for x in s.rtt[2, :s.lens[2]]]
+    prev = [-1] + slots[:-1]
+    s.canary.sweep(slots, list(range(len(slots))), prev)
+    assert violations(s.records) == []
+    s.v[1][slots[4], 60] ^= 1
+    s.canary.sweep(slots, list(range(len(slots))), prev)
+    recs = violations(s.records)
+    assert [(r["launch_tag"], r["slot_idx"], r["fail_reason"]) for r in recs] == [("SWEEP_V_FULL", slots[4], ["verify_real_kv_hash"])]
+
+
+def test_export_to_file(tmp_path):
+    path = tmp_path / "canary.jsonl"
+    s = Session()
+    s.canary = None
+    from kvcanary.manager import KvCanary, PoolGroup
+    c = KvCanary(PoolGroup(64), export=str(path), stats_every=1)
+    z = np.zeros(1, np.int64)
+    b = kc.Batch(np.ones(1, np.int64), z, np.ones(1, np.int64), np.ones((2, 4), np.int32), z, z, np.ones(1, np.int64))
+    c.before_forward(b)
+    c.after_forward(b)
+    c.reporter.export.close()
+    lines = path.read_text().splitlines()
+    assert lines and '"type": "stats"' in lines[-1]
