@@ -1,0 +1,75 @@
+"""Issues 3 and 6: verify and write throughput on the GPU, next to the bounds of this run.
+
+Verify: decode bs 256 x context 4096 = 1M entries, identity-only, PARTIAL (1 source) and ALL
+(1 source, 1 KiB per token), through the materialised plan (``kvcanary.verify``) and the fused
+path (``kvcanary.fused_verify``); each against (a) the bytes it must touch / copy bandwidth and
+(b) its "same loads, no compute" probe. Write: 256 requests x 1 token (decode) and 1 x 32768
+(prefill), identity-only and ALL; a prefill against the serial-chain probe. GPU time by CUDA
+events, L2 flushed before each repetition. Every timed launch must leave the ring empty.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import kvcanary as kc
+
+from .workloads import DECODE_256, MODES, write
+
+VERIFY_TARGETS = {("fused", "identity"): ("<=", 1.5), ("fused", "partial"): ("<=", 2.0)}
+ALL_BANDWIDTH_TARGET = (">=", 0.7)
+PREFILL_TARGETS = {"identity": ("<=", 1.3), "all": ("<=", 1.5)}
+
+
+@pytest.mark.parametrize("design", ["fused", "plan"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_verify_throughput(report, workloads, timer, bounds, mode, design):
+    w = workloads.get(*DECODE_256)
+    ctx = w.context(mode)
+    planned = design == "plan"
+    plan = w.plan(materialize=planned)
+    kc.build_plan(w.batch, plan, stream=timer.handle)
+    if planned:
+        run = lambda s: kc.verify(ctx, plan, stream=s)  # noqa: E731
+    else:
+        run = lambda s: kc.fused_verify(ctx, w.batch, plan, stream=s)  # noqa: E731
+
+    def measure():
+        return timer.gpu_time(run), bounds.verify_probe(w, mode, plan if planned else None)
+
+    t, probe = report.measure(measure)
+    assert w.violations() == 0, "the benchmark workload must verify clean"
+    copy = bounds.copy_bandwidth
+    must, touched = w.verify_bytes(mode), w.verify_touched(mode, planned)
+    name = f"verify {design} {mode}, {w.label}"
+    common = dict(series=f"verify {design} {mode}", size=w.entries, **{"entries/s": w.entries / t},
+                  **{"GB/s": touched / t / 1e9}, probe_s=probe, bytes_touched=touched, bytes_must=must)
+    report.row(name, t, "s", bound=must / copy, bound_name="bytes it must touch / copy bw",
+               target=VERIFY_TARGETS.get((design, mode)), **common)
+    report.row(f"{name}: vs same-loads probe", t, "s", bound=probe, bound_name="same-loads probe")
+    if mode == "all":
+        report.row(f"{name}: bytes read / copy bandwidth", touched / t, "B/s", bound=copy,
+                   bound_name="copy bw", target=ALL_BANDWIDTH_TARGET if design == "fused" else None)
+
+
+@pytest.mark.parametrize("mode", ["identity", "all"])
+@pytest.mark.parametrize("shape", ["decode", "prefill"])
+def test_write_throughput(report, workloads, timer, bounds, shape, mode):
+    w = workloads.get(*(DECODE_256 if shape == "decode" else (1, 0, 32768)))
+    ctx = w.context(mode)
+    plan = w.plan()
+    kc.build_plan(w.batch, plan, stream=timer.handle)
+    t = report.measure(lambda: timer.gpu_time(lambda s: write(ctx, plan, w.batch, s)))
+    assert w.violations() == 0, "the benchmark workload must write clean"
+    nbytes = w.write_bytes(mode)
+    extra = dict(series=f"write {mode}", size=w.new_tokens, **{"entries/s": w.new_tokens / t},
+                 **{"GB/s": nbytes / t / 1e9}, bytes_must=nbytes)
+    name = f"write {mode}, {w.label}"
+    if shape == "prefill":
+        chain = bounds.chain(w.new_tokens)
+        report.row(name, t, "s", bound=chain, bound_name=f"serial mix3 chain x{w.new_tokens}",
+                   target=PREFILL_TARGETS[mode], **extra)
+    else:
+        report.row(name, t, "s", bound=nbytes / bounds.copy_bandwidth,
+                   bound_name="bytes it must touch / copy bw", gpu_launch_floor_s=bounds.gpu_launch_floor,
+                   **extra)
