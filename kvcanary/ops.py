@@ -149,7 +149,7 @@ def prepare_write(ctx: VerifyContext, plan: StepPlan, input_ids, positions, out_
     p.chain_position_assert = ctx.flag_view.ptr
     rt = _runtime(ctx.device)
     s = streams.resolve(stream, (input_ids, ctx.buffer.array), views, ctx.device)
-    return Launch(rt, "kvc_write", _grid(rt, plan.max_batch, BLOCK // 32), BLOCK, p, s)
+    return Launch(rt, "kvc_write", _grid(rt, plan.max_batch, 1), BLOCK, p, s)  # a block per request
 
 
 # ---- plan builder and fused verify -------------------------------------------------------------------
