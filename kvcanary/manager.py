@@ -205,9 +205,7 @@ class KvCanary:
     def poll(self, stream=None) -> None:
         """Report what the newest completed snapshot shows, then snapshot again. Never waits on
         the device, except to read back ring rows after violations were seen."""
-        taken = self.pump.take((self.step, self._expected.copy()))
-        if taken is not None:
-            snap, (step, expected) = taken
+        for snap, (step, expected) in self.pump.take((self.step, self._expected.copy())):
             self._process(snap, expected, step)
         if self.device is not None and stream is not None:
             from . import memory
@@ -218,9 +216,7 @@ class KvCanary:
 
     def flush(self) -> None:
         """Wait for every snapshot and report it (shutdown and tests; this one does synchronise)."""
-        taken = self.pump.drain((self.step, self._expected.copy()))
-        if taken is not None:
-            snap, (step, expected) = taken
+        for snap, (step, expected) in self.pump.drain((self.step, self._expected.copy())):
             self._process(snap, expected, step)
 
     def _process(self, snap: np.ndarray, expected: np.ndarray, step: int) -> None:

@@ -3,11 +3,13 @@
 Each step, a small status block (ring write index, per-launch counters, plan flags) is copied to
 pinned host memory on a side stream behind an event; the host reads the *previous* step's copy
 when its event has completed (``cuEventQuery``, never a wait). Only when that copy shows new
-violations is the ring read back (a copy on the otherwise idle side stream). On the CPU backend
-the status is read directly.
+violations is the ring read back (a copy on a stream of its own, which waits for nothing else).
+On the CPU backend the status is read directly.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import numpy as np
 
@@ -30,60 +32,68 @@ def int32_at(status, index: int, device: int | None):
 
 
 class Pump:
-    """Snapshots ``status`` (int64 ``[n]``) each :meth:`poll`; hands completed ones to a callback."""
+    """Snapshots ``status`` (int64 ``[n]``) into a FIFO of pinned buffers; hands back completed
+    snapshots in order, so each violation is attributed to the first step whose snapshot shows it.
+    When the device runs ``DEPTH`` steps behind, a new snapshot is skipped (the next covers it)."""
+
+    DEPTH = 8
 
     def __init__(self, status, ring, ring_capacity: int, device: int | None):
         self.status, self.ring, self.capacity, self.device = status, ring, ring_capacity, device
         self.n = len(status) if device is None else status.shape[0]
+        self.skipped = 0
         if device is not None:
             from . import memory
-            self.pinned = [memory.PinnedBuffer((self.n,), np.int64, device) for _ in range(2)]
+            self.pinned = [memory.PinnedBuffer((self.n,), np.int64, device) for _ in range(self.DEPTH)]
             self.ring_pinned = memory.PinnedBuffer((ring_capacity, abi.RING_COLS), np.int64, device)
-            self.done = [memory.Event(device) for _ in range(2)]
+            self.done = [memory.Event(device) for _ in range(self.DEPTH)]
             self.ready = memory.Event(device)
             self.side = memory.new_stream(device)
-            self.pending = [False, False]
-            self.meta = [None, None]
-            self.cur = 0
+            self.ring_side = memory.new_stream(device)  # idle but for ring reads: never waits on steps
+            self.meta: list = [None] * self.DEPTH
+            self.queue: deque[int] = deque()
+            self.free = list(range(self.DEPTH))
 
-    def take(self, meta=None):
-        """(snapshot, its meta) of the newest completed snapshot not yet taken, or None; never
+    def take(self, meta=None) -> list:
+        """[(snapshot, its meta)] of every completed snapshot not yet taken, oldest first; never
         waits. On the CPU backend the status is current, and ``meta`` is passed through."""
         if self.device is None:
-            return np.array(self.status, copy=True), meta
-        prev = self.cur ^ 1
-        if self.pending[prev] and self.done[prev].done():
-            self.pending[prev] = False
-            return self.pinned[prev].array.copy(), self.meta[prev]
-        return None
+            return [(np.array(self.status, copy=True), meta)]
+        out = []
+        while self.queue and self.done[self.queue[0]].done():
+            slot = self.queue.popleft()
+            out.append((self.pinned[slot].array.copy(), self.meta[slot]))
+            self.free.append(slot)
+        return out
 
     def snapshot(self, stream: int, meta=None) -> None:
         """Enqueue a copy of the status block behind the work already on ``stream``; ``meta``
         (host bookkeeping of that moment) comes back with it from :meth:`take`."""
         if self.device is None:
             return
-        self.meta[self.cur] = meta
+        if not self.free:
+            self.skipped += 1
+            return
         from . import memory
+        slot = self.free.pop()
+        self.meta[slot] = meta
         self.ready.record(stream)
         memory.stream_wait(self.side, self.ready)
-        memory.copy_async(self.pinned[self.cur].ptr, self.status.ptr, 8 * self.n, self.side, self.device)
-        self.done[self.cur].record(self.side)
-        self.pending[self.cur], self.cur = True, self.cur ^ 1
+        memory.copy_async(self.pinned[slot].ptr, self.status.ptr, 8 * self.n, self.side, self.device)
+        self.done[slot].record(self.side)
+        self.queue.append(slot)
 
-    def drain(self, meta=None):
-        """Block until every snapshot is complete; (newest, its meta) or None (shutdown, tests)."""
+    def drain(self, meta=None) -> list:
+        """Block until every snapshot is complete and take them all (shutdown, tests)."""
         if self.device is None:
-            return np.array(self.status, copy=True), meta
+            return [(np.array(self.status, copy=True), meta)]
         from . import memory
         memory.stream_synchronize(self.side, self.device)
-        newest = self.cur ^ 1
-        if not self.pending[newest]:
-            return None
-        self.pending = [False, False]
-        return self.pinned[newest].array.copy(), self.meta[newest]
+        return self.take()
 
     def read_ring(self, start: int, stop: int) -> np.ndarray:
-        """Ring rows [start, stop) (already complete per a snapshot), as host numpy."""
+        """Ring rows [start, stop) (already complete per a snapshot), as host numpy. Waits only
+        for this copy, on a stream of its own: not for the steps enqueued since."""
         if stop <= start:
             return np.zeros((0, abi.RING_COLS), np.int64)
         if self.device is None:
@@ -91,6 +101,6 @@ class Pump:
         from . import memory
         row = 8 * abi.RING_COLS
         memory.copy_async(self.ring_pinned.ptr + start * row, self.ring.ptr + start * row,
-                          (stop - start) * row, self.side, self.device)
-        memory.stream_synchronize(self.side, self.device)
+                          (stop - start) * row, self.ring_side, self.device)
+        memory.stream_synchronize(self.ring_side, self.device)
         return self.ring_pinned.array[start:stop].copy()

@@ -5,6 +5,8 @@
 - the serial-chain probe: one thread running ``kvc_mix3`` N times, no memory traffic;
 - the host floor of a raw ``cuLaunchKernel`` of kvcanary's own empty kernel ``kvc_empty``
   (``KvcProbeParams`` through a prepacked pointer array), and the GPU time of an empty launch.
+The same program carries perf/kernels/baseline.cu, the SGLang-shaped design kvcanary is compared
+with (launched here with params structs packed by kvcanary.ops).
 
 The probes are compiled here with kvcanary's NVRTC path (``compile_cubin`` with the generated ABI
 prelude and kernels_src's ``common.cuh``) and loaded with ``cuLibraryLoadData``; they are never
@@ -26,8 +28,9 @@ from kvcanary.driver import check
 
 from .timing import GpuTimer, pack_args
 
-PROBES_CU = Path(__file__).resolve().parent / "kernels" / "probes.cu"
-PROBE_NAMES = ("kvcp_spin", "kvcp_read", "kvcp_fill", "kvcp_chain", "kvcp_verify_loads")
+KERNELS = Path(__file__).resolve().parent / "kernels"  # probes.cu and baseline.cu
+PROBE_NAMES = ("kvcp_spin", "kvcp_read", "kvcp_fill", "kvcp_chain", "kvcp_verify_loads",
+               "kvcb_verify_persistent", "kvcb_write_one_thread")
 KEY = 0x5EED_C0DE_0BAD_F00D  # probes store their folded loads only if they equal this: never
 COPY_BYTES = 2 << 30
 BLOCK = 256
@@ -36,8 +39,9 @@ i64, u64 = ctypes.c_int64, ctypes.c_uint64
 
 
 def probe_sources() -> dict[str, str]:
-    """The probe program for compile_cubin: probes.cu plus the kernels' own common.cuh."""
-    return {"probes.cu": PROBES_CU.read_text(), "common.cuh": (kernels_dir() / "common.cuh").read_text()}
+    """The perf program for compile_cubin: probes.cu, baseline.cu and kernels_src's common.cuh."""
+    return {"probes.cu": (KERNELS / "probes.cu").read_text(), "baseline.cu": (KERNELS / "baseline.cu").read_text(),
+            "common.cuh": (kernels_dir() / "common.cuh").read_text()}
 
 
 def compile_probes(arch: int) -> bytes:
@@ -52,7 +56,7 @@ class Probes:
         lib = check(rt.call(cu.cuLibraryLoadData, compile_probes(rt.arch), None, None, 0, None, None, 0),
                     "cuLibraryLoadData(probes)")
         self.library = lib
-        self.fn = {n: check(cu.cuKernelGetFunction(check(cu.cuLibraryGetKernel(lib, n.encode()), n)), n)
+        self.fn = {n: check(rt.call(cu.cuKernelGetFunction, check(cu.cuLibraryGetKernel(lib, n.encode()), n)), n)
                    for n in PROBE_NAMES}
         self.out = memory.zeros((1024,), np.uint64)
 
@@ -63,6 +67,10 @@ class Probes:
         addr, keep = pack_args(*args)
         check(cu.cuLaunchKernel(self.fn[name], grid, 1, 1, block, 1, 1, 0, stream, addr, 0), name)
         del keep  # cuLaunchKernel copied the arguments
+
+    def launch_packed(self, name: str, grid: int, block: int, stream: int, address: int) -> None:
+        """Launch a baseline kernel with a kvcanary ``ops.Launch``'s packed pointer array."""
+        check(cu.cuLaunchKernel(self.fn[name], grid, 1, 1, block, 1, 1, 0, stream, address, 0), name)
 
     def spin(self, ns: int, stream: int) -> None:
         self.launch("kvcp_spin", 1, 32, stream, i64(ns))
@@ -80,16 +88,18 @@ class Probes:
 
     def verify_loads(self, stream: int, *, canary, n: int, plan=None, rpi=None, rtt=None,
                      per_req: int = 1, src=None, src_row_stride: int = 0, page_size: int = 1,
-                     bytes_per_token: int = 16, hash_bytes: int = 0) -> None:
+                     bytes_per_token: int = 16, hash_bytes: int = 0, coop: bool = False) -> None:
         """The loads of ``n`` verify entries: ``plan`` (a materialised StepPlan) or the fused
-        indexing through ``rpi``/``rtt`` (uniform ``per_req`` entries per request)."""
+        indexing through ``rpi``/``rtt`` (uniform ``per_req`` entries per request); real-KV
+        strips per lane or, with ``coop``, coalesced across the warp."""
         p = lambda a: u64(0 if a is None else a.ptr)  # noqa: E731
         planned = (plan.slot, plan.expected_token, plan.expected_position, plan.prev_slot) if plan else (None,) * 4
         rtt_stride = rtt.shape[1] if rtt is not None else 0
         self.launch("kvcp_verify_loads", self.grid(n), BLOCK, stream,
                     p(canary), i64(canary.shape[1] // 8), *(p(a) for a in planned), p(rpi), p(rtt),
                     i64(rtt_stride), i64(per_req), p(src), i64(src_row_stride), i64(page_size),
-                    i64(bytes_per_token), i64(hash_bytes), i64(n), u64(KEY), u64(self.out.ptr))
+                    i64(bytes_per_token), i64(hash_bytes), ctypes.c_int32(int(coop)), i64(n), u64(KEY),
+                    u64(self.out.ptr))
 
 
 class Bounds:
@@ -138,13 +148,26 @@ class Bounds:
             self._chain[n] = self.timer.gpu_time(lambda s: self.probes.chain(n, s), repeat=15, flush=False)
         return self._chain[n]
 
-    def verify_probe(self, w, mode: str, plan=None) -> float:
-        """GPU seconds of the same loads as a verify of workload ``w`` in ``mode`` (no hashing)."""
+    def step(self, w, mode: str) -> tuple[float, str]:
+        """(seconds, what) bounding one HEAD + TAIL step of ``w``: the bytes it must touch over the
+        copy bandwidth, or, for long extends, the two serial chains (HEAD and TAIL writes)."""
+        bound, name = w.step_bytes(mode) / self.copy_bandwidth, "bytes it must touch / copy bw"
+        if w.extend > 1:
+            chain = 2 * self.chain(w.extend)
+            if chain > bound:
+                bound, name = chain, f"2 x serial mix3 chain x{w.extend}"
+        return bound, name
+
+    def verify_probe(self, w, mode: str, plan=None) -> tuple[float, dict[str, float]]:
+        """GPU seconds of the same loads as a verify of workload ``w`` in ``mode`` (no hashing):
+        the best of the per-lane and, for strips of 64 bytes or more, warp-coalesced patterns."""
         ctx = w.context(mode)
         hb = w.hash_bytes(mode)
-        src = w.pool if hb else None
-        run = lambda s: self.probes.verify_loads(  # noqa: E731
-            s, canary=ctx.buffer.array, n=w.entries, plan=plan, rpi=w.rpi, rtt=w.rtt,
-            per_req=w.prefix, src=src, src_row_stride=w.bytes_per_token, page_size=1,
-            bytes_per_token=w.bytes_per_token, hash_bytes=hb)
-        return self.timer.gpu_time(run)
+        times = {}
+        for coop in (False, True) if hb >= 64 else (False,):
+            run = lambda s, coop=coop: self.probes.verify_loads(  # noqa: E731
+                s, canary=ctx.buffer.array, n=w.entries, plan=plan, rpi=w.rpi, rtt=w.rtt,
+                per_req=w.prefix, src=w.pool if hb else None, src_row_stride=w.bytes_per_token,
+                page_size=1, bytes_per_token=w.bytes_per_token, hash_bytes=hb, coop=coop)
+            times["coalesced" if coop else "per_lane"] = self.timer.gpu_time(run)
+        return min(times.values()), times

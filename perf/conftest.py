@@ -43,8 +43,12 @@ def gpu():
     reason = gpu_unavailable_reason()
     if reason:
         pytest.skip(f"needs a GPU: {reason}")
+    from cuda.bindings import driver as cu
     from kvcanary import driver
-    return driver.runtime(0)
+    rt = driver.runtime(0)
+    # As in an engine, where the framework keeps the primary context current on its thread.
+    driver.check(cu.cuCtxSetCurrent(cu.CUcontext(rt.context)), "cuCtxSetCurrent")
+    return rt
 
 
 @pytest.fixture(scope="session")
@@ -133,8 +137,9 @@ def fmt_value(value: float | None, unit: str) -> str:
 def format_row(row: dict) -> str:
     ratio = "-" if row["ratio"] is None else f"{row['ratio']:.3g}x"
     verdict = {True: "PASS", False: "FAIL", None: ""}[row["ok"]]
-    return (f"{row['name']:<52} {fmt_value(row['measured'], row['unit']):>13}  bound "
-            f"{fmt_value(row['bound'], row['unit']):>13} ({row['bound_name']})  ratio {ratio:>8}  "
+    what = f" ({row['bound_name']})" if row["bound_name"] else ""
+    return (f"{row['name']:<60} {fmt_value(row['measured'], row['unit']):>13}  bound "
+            f"{fmt_value(row['bound'], row['unit']):>13}{what}  ratio {ratio:>8}  "
             f"target {row['target'] or '-':>7}  {verdict}")
 
 

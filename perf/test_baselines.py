@@ -17,7 +17,7 @@ import kvcanary as kc
 from kvcanary import abi
 from kvcanary.hashing import ANCHOR_HASH, to_i64
 
-from .workloads import DECODE_256, STEP_SHAPES
+from .workloads import DECODE_256, STEP_SHAPES, settle
 
 TORCH_TARGET = (">=", 80.0)
 HOST_TARGET = ("<=", 1.3)
@@ -76,7 +76,7 @@ def test_torch_ops_verify(report, workloads, timer, bounds):
                **{"entries/s": w.entries / t_torch})
 
 
-def make_manager(torch, w, mode: str, fused: bool):
+def make_manager(w, mode: str, fused: bool):
     manager = pytest.importorskip("kvcanary.manager")
     if not all(hasattr(manager, n) for n in ("KvCanary", "PoolGroup")):
         pytest.skip("kvcanary.manager has no KvCanary/PoolGroup")
@@ -84,6 +84,7 @@ def make_manager(torch, w, mode: str, fused: bool):
     canary = manager.KvCanary(manager.PoolGroup(w.num_slots, k_sources=sources, halves=("K",)),
                               device=0, hash_mode="none" if mode == "identity" else mode,
                               mode="log", max_batch=w.bs, verify_capacity=max(1, w.entries), fused=fused)
+    settle()
     if w.setup is not None:  # stamp the prefix into HEAD and TAIL
         canary.before_forward(w.setup, stream=w.stream)
         canary.after_forward(w.setup, stream=w.stream)
@@ -95,7 +96,7 @@ def make_manager(torch, w, mode: str, fused: bool):
 def test_manager_step(report, workloads, timer, bounds, shape, mode):
     torch = pytest.importorskip("torch")
     w = workloads.get(*STEP_SHAPES[shape])
-    canaries = {fused: make_manager(torch, w, mode, fused) for fused in (True, False)}
+    canaries = {fused: make_manager(w, mode, fused) for fused in (True, False)}
     stream = torch.cuda.ExternalStream(timer.handle)
 
     def eager(canary):
@@ -107,6 +108,9 @@ def test_manager_step(report, workloads, timer, bounds, shape, mode):
     def graphed(canary):
         eager(canary)(timer.handle)  # packs the launches outside capture
         timer.sync()
+        # Drain the pump: with an eager step's snapshot pending, after_forward inside the capture
+        # would cuEventQuery it, which a global-mode capture rejects (CAPTURE_UNSUPPORTED).
+        canary.flush()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             eager(canary)(torch.cuda.current_stream().cuda_stream)
@@ -130,11 +134,11 @@ def test_manager_step(report, workloads, timer, bounds, shape, mode):
     for canary in canaries.values():
         canary.flush()
         assert canary.stats()["violations"] == 0, "the benchmark workload must step clean"
-    bound = w.step_bytes(mode) / bounds.copy_bandwidth
+    bound, bound_name = bounds.step(w, mode)
     name = f"manager step {mode}, {w.label}"
     for replay in ("graph", "eager"):
         report.row(f"{name}, {replay}", t[True, replay], "s", bound=bound,
-                   bound_name="bytes it must touch / copy bw", series=f"manager {mode} {replay}",
+                   bound_name=bound_name, series=f"manager {'step' if w.extend == 1 else 'prefill'} {mode} {replay}",
                    size=w.entries + w.new_tokens, plan_design_s=t[False, replay])
     report.row(f"{name}: fused=False / fused, graph", t[False, "graph"], "s", bound=t[True, "graph"],
                bound_name="fused manager step", ratio=t[False, "graph"] / t[True, "graph"],

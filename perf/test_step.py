@@ -4,23 +4,28 @@ A step is what an engine runs per forward for the K half: ``build_plan`` once, t
 the cached prefix without real KV, stamp the new tokens) and TAIL (verify the prefix in the
 variant's mode, stamp the new tokens with their fingerprints). The fused design uses
 ``fused_verify``; the plan + verify + write design materialises the plan (``build_plan`` with
-``materialize=True``) and uses ``verify``. Shapes: decode bs 1/64/256 x context 4096 and a
+``materialize=True``) and uses ``verify``; the SGLang-shaped design of issue 6 runs the same
+materialised plan, then perf/kernels/baseline.cu: a 64 x 512 persistent verify and one thread per
+request for the write (kvcanary's params structs, packed by ``kvcanary.ops.prepare_*``). Shapes: decode bs 1/64/256 x context 4096 and a
 prefill 1 x 32768; identity-only and PARTIAL (1 source, 1 KiB per token).
 
 Rows: GPU time vs bytes it must touch / copy bandwidth (eager and graph-replayed; the graph is
-captured with the raw driver, no torch), fused vs plan design (graph-replayed; target >= 3x for
-decode bs 256), and host time per eager step vs launches x raw launch floor.
+captured with the raw driver, no torch), the SGLang-shaped design / fused (graph-replayed;
+target >= 3x for decode bs 256), kvcanary's own plan design / fused, and host time per eager
+step vs launches x raw launch floor. Before timing, the SGLang-shaped step must leave the canary
+buffers byte-equal to kvcanary's step, and every step must leave the ring empty.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import kvcanary as kc
-from kvcanary import abi
+from kvcanary import abi, ops
 
 from .timing import Graph
-from .workloads import STEP_SHAPES, write
+from .workloads import STEP_SHAPES, settle, write
 
 DESIGN_TARGET = (">=", 3.0)
 LAUNCHES = {"fused": 5, "plan": 6}  # prepare (+ expand), then verify + write for HEAD and TAIL
@@ -44,11 +49,68 @@ def step_fn(w, mode: str, design: str):
     return step
 
 
+def sglang_step_fn(w, mode: str, probes):
+    """(fn(stream), [(name, fn(stream))] of its launches) of the SGLang-shaped design, or
+    (None, []) when kvcanary.ops cannot pack launches."""
+    if not all(hasattr(ops, n) for n in ("prepare_build_plan", "prepare_verify", "prepare_write")):
+        return None, []
+    contexts = (w.context("identity", abi.LaunchTag.HEAD_K_FULL), w.context(mode, abi.LaunchTag.TAIL_K_FULL))
+    plan = w.plan(materialize=True)
+    build = ops.prepare_build_plan(w.batch, plan)
+    b = w.batch
+    pairs = [(ops.prepare_verify(c, plan), ops.prepare_write(c, plan, b.input_ids, b.positions, b.out_cache_loc))
+             for c in contexts]
+    write_grid = -(-plan.max_batch // 256)
+
+    pieces = [(launch.name, launch) for launch in build]
+    for verify, wr in pairs:
+        pieces.append(("kvcb_verify_persistent", lambda s, a=verify.address: probes.launch_packed(
+            "kvcb_verify_persistent", 64, 512, s, a)))
+        pieces.append(("kvcb_write_one_thread", lambda s, a=wr.address: probes.launch_packed(
+            "kvcb_write_one_thread", write_grid, 256, s, a)))
+
+    def step(s: int) -> None:
+        for _, piece in pieces:
+            piece(s)
+
+    step.keep_alive = (plan, contexts, build, pairs)  # packed launches hold raw pointers into these
+    return step, pieces
+
+
+def buffers(w, mode: str, poison_new: bool = False) -> list[np.ndarray]:
+    """Host copies of the step's HEAD and TAIL buffers; ``poison_new`` first overwrites the new
+    tokens' records on the device, so a write that stores nothing cannot pass as equal."""
+    out = []
+    for m, tag in (("identity", abi.LaunchTag.HEAD_K_FULL), (mode, abi.LaunchTag.TAIL_K_FULL)):
+        array = w.context(m, tag).buffer.array
+        host = array.numpy()
+        if poison_new:
+            host[w.slots[:, w.prefix:].ravel()] = 0xA5
+            array.copy_from_host(host)
+        out.append(host)
+    settle()
+    return out
+
+
 @pytest.mark.parametrize("mode", ["identity", "partial"])
 @pytest.mark.parametrize("shape", list(STEP_SHAPES))
-def test_step(report, workloads, timer, bounds, shape, mode):
+def test_step(report, workloads, timer, bounds, probes, shape, mode):
     w = workloads.get(*STEP_SHAPES[shape])
     steps = {d: step_fn(w, mode, d) for d in ("fused", "plan")}
+    sglang, pieces = sglang_step_fn(w, mode, probes)
+    if sglang is not None:
+        steps["fused"](timer.handle)
+        ours = buffers(w, mode, poison_new=False)
+        buffers(w, mode, poison_new=True)
+        for what, piece in pieces:  # one launch at a time, so a fault names its kernel
+            piece(timer.handle)
+            try:
+                settle()
+            except kc.KvCanaryError as exc:
+                pytest.fail(f"SGLang-shaped step: {what} failed: {exc}")
+        for a, b in zip(ours, buffers(w, mode)):
+            np.testing.assert_array_equal(a, b, err_msg="the SGLang-shaped step must write what kvcanary writes")
+        steps["sglang"] = sglang
 
     def measure():
         out = {}
@@ -63,20 +125,23 @@ def test_step(report, workloads, timer, bounds, shape, mode):
     t = report.measure(measure)
     assert w.violations() == 0, "the benchmark workload must step clean"
     nbytes = w.step_bytes(mode)
-    bound = nbytes / bounds.copy_bandwidth
+    bound, bound_name = bounds.step(w, mode)
     name = f"step {mode}, {w.label}"
     tokens = w.entries + w.new_tokens
     for replay in ("graph", "eager"):
         fused = t["fused", replay]
         report.row(f"{name}, fused, {replay}", fused, "s", bound=bound,
-                   bound_name="bytes it must touch / copy bw", series=f"step {mode} {replay}",
+                   bound_name=bound_name, series=f"{'step' if w.extend == 1 else 'prefill step'} {mode} {replay}",
                    size=tokens, **{"entries/s": tokens / fused, "GB/s": nbytes / fused / 1e9},
                    plan_design_s=t["plan", replay], bytes_must=nbytes,
                    gpu_launch_floor_s=LAUNCHES["fused"] * bounds.gpu_launch_floor)
-    speedup = t["plan", "graph"] / t["fused", "graph"]
-    report.row(f"{name}: plan+verify+write design / fused, graph", t["plan", "graph"], "s",
-               bound=t["fused", "graph"], bound_name="fused step", ratio=speedup,
-               target=DESIGN_TARGET if shape == "decode-bs256" else None)
+    if "sglang" in steps:
+        report.row(f"{name}: SGLang-shaped design / fused, graph", t["sglang", "graph"], "s",
+                   bound=t["fused", "graph"], bound_name="fused step",
+                   ratio=t["sglang", "graph"] / t["fused", "graph"], sglang_eager_s=t["sglang", "eager"],
+                   target=DESIGN_TARGET if shape == "decode-bs256" else None)
+    report.row(f"{name}: kvcanary plan+verify+write / fused, graph", t["plan", "graph"], "s",
+               bound=t["fused", "graph"], bound_name="fused step", ratio=t["plan", "graph"] / t["fused", "graph"])
     floor = LAUNCHES["fused"] * bounds.launch_floor
     report.row(f"{name}: host time per eager step (kvcanary.ops)", t["host"], "s", bound=floor,
                bound_name=f"{LAUNCHES['fused']} x raw launch floor")

@@ -2,8 +2,12 @@
 
 A :class:`Workload` is ``bs`` requests whose first ``prefix`` tokens are cached (and verified
 each step) and whose next ``extend`` tokens are written each step: decode is ``extend = 1``, a
-prefill ``prefix = 0``. Slots are a random permutation of ``1..num_slots-1`` (a busy pool
-scatters tokens; slot 0 is the padding slot), ``req_to_token`` rows ``1..bs`` (row 0 is padding).
+prefill ``prefix = 0``. Slot layouts (slot 0 is the padding slot; ``req_to_token`` rows
+``1..bs``, row 0 is padding): ``decode`` (default) is what a token allocator hands out when the
+whole context was decoded step by step: slot(r, p) = 1 + p * bs + r, each step's tokens of all
+requests adjacent, one request's tokens ``bs`` slots apart (a prefill of one request is then
+contiguous); ``contiguous`` gives each request one run of slots (a fresh prefill); ``random``
+permutes all slots (a long-fragmented pool, the worst case for locality).
 Each context's buffer is stamped over the prefix once by kvcanary's own write, so every timed
 verify is clean (the fast path) and every timed write re-stamps identical records: a timed step
 is idempotent and can be repeated. The real-KV pool is ``[num_slots, bytes_per_token]`` uint8
@@ -18,9 +22,18 @@ import numpy as np
 
 import kvcanary as kc
 from kvcanary import abi, memory
+from kvcanary.driver import check
 
 MODES = {"identity": abi.HashMode.NONE, "partial": abi.HashMode.PARTIAL, "all": abi.HashMode.ALL}
 RECORD, PRED, RTT, I64 = abi.SLOT_BYTES, 24, 4, 8
+
+
+def settle() -> None:
+    """Wait for the device. kvcanary zeroes new state with cuMemsetD8 on the legacy stream, which
+    may still be running when the host returns; the timer's non-blocking stream does not wait
+    for the legacy stream, so work enqueued there right after an allocation could race it."""
+    from cuda.bindings import driver as cu
+    check(cu.cuCtxSynchronize(), "cuCtxSynchronize")
 
 
 @dataclass
@@ -28,6 +41,7 @@ class Workload:
     bs: int
     prefix: int
     extend: int
+    layout: str
     bytes_per_token: int
     num_slots: int
     slots: np.ndarray            # host [bs, prefix + extend]: the slot of each request position
@@ -50,13 +64,16 @@ class Workload:
 
     @property
     def label(self) -> str:
-        return f"decode bs{self.bs}x{self.prefix}" if self.extend == 1 else f"prefill {self.bs}x{self.extend}"
+        shape = f"decode bs{self.bs}x{self.prefix}" if self.extend == 1 else f"prefill {self.bs}x{self.extend}"
+        return shape if self.layout == "decode" else f"{shape}, {self.layout} slots"
 
     def hash_bytes(self, mode: str) -> int:
         return {"identity": 0, "partial": abi.PARTIAL_HASH_BYTES, "all": self.bytes_per_token}[mode]
 
     def plan(self, materialize: bool = False) -> kc.StepPlan:
-        return kc.StepPlan.allocate(self.bs, max(1, self.entries), device=0, materialize=materialize)
+        plan = kc.StepPlan.allocate(self.bs, max(1, self.entries), device=0, materialize=materialize)
+        settle()
+        return plan
 
     def context(self, mode: str, tag: abi.LaunchTag = abi.LaunchTag.TAIL_K_FULL) -> kc.VerifyContext:
         """A stamped context of ``mode`` (cached per mode and tag)."""
@@ -66,8 +83,10 @@ class Workload:
                 kc.RealKvSource(self.pool, 1, self.bytes_per_token, self.bytes_per_token)]
             ctx = kc.VerifyContext(kc.CanaryBuffer.allocate(self.num_slots, device=0), self.sink, tag,
                                    sources, MODES[mode])
+            settle()
             if self.setup is not None:
                 plan = kc.StepPlan.allocate(self.bs, 1, device=0)
+                settle()
                 kc.build_plan(self.setup, plan, stream=self.stream)
                 write(ctx, plan, self.setup, self.stream)
             self.contexts[key] = ctx
@@ -106,12 +125,26 @@ def write(ctx: kc.VerifyContext, plan: kc.StepPlan, batch: kc.Batch, stream: int
     kc.write(ctx, plan, batch.input_ids, batch.positions, batch.out_cache_loc, stream=stream)
 
 
+LAYOUTS = ("decode", "contiguous", "random")
+
+
+def slot_layout(layout: str, bs: int, length: int, rng) -> np.ndarray:
+    """[bs, length] slots in 1..bs*length (see the module docstring)."""
+    if layout == "decode":
+        return 1 + np.arange(length, dtype=np.int64)[None, :] * bs + np.arange(bs, dtype=np.int64)[:, None]
+    if layout == "contiguous":
+        return 1 + np.arange(bs * length, dtype=np.int64).reshape(bs, length)
+    if layout == "random":
+        return (rng.permutation(bs * length) + 1).reshape(bs, length)
+    raise ValueError(f"perf: slot layout must be one of {LAYOUTS}, got {layout!r}")
+
+
 def make(bs: int, prefix: int, extend: int, *, probes, stream: int, bytes_per_token: int = 1024,
-         seed: int = 0) -> Workload:
+         layout: str = "decode", seed: int = 0) -> Workload:
     rng = np.random.default_rng(seed)
     length = prefix + extend
     num_slots = bs * length + 1
-    slots = (rng.permutation(num_slots - 1) + 1).reshape(bs, length)
+    slots = slot_layout(layout, bs, length, rng)
     rtt = np.zeros((bs + 1, length), np.int32)
     rtt[1:] = slots
     tokens = rng.integers(0, 1 << 17, (bs, length)).astype(np.int64)
@@ -128,9 +161,10 @@ def make(bs: int, prefix: int, extend: int, *, probes, stream: int, bytes_per_to
 
     pool = memory.empty((num_slots, bytes_per_token), np.uint8)
     probes.fill(pool.ptr, pool.nbytes, 11 + seed, stream)
-    return Workload(bs, prefix, extend, bytes_per_token, num_slots, slots, rpi, rtt_d,
-                    batch(prefix, length), batch(0, prefix) if prefix else None, pool,
-                    kc.ViolationSink.allocate(device=0), stream)
+    sink = kc.ViolationSink.allocate(device=0)
+    settle()
+    return Workload(bs, prefix, extend, layout, bytes_per_token, num_slots, slots, rpi, rtt_d,
+                    batch(prefix, length), batch(0, prefix) if prefix else None, pool, sink, stream)
 
 
 class Workloads:
@@ -139,10 +173,11 @@ class Workloads:
     def __init__(self, probes, timer):
         self.probes, self.timer, self.cache = probes, timer, {}
 
-    def get(self, bs: int, prefix: int, extend: int) -> Workload:
-        key = (bs, prefix, extend)
+    def get(self, bs: int, prefix: int, extend: int, layout: str = "decode") -> Workload:
+        key = (bs, prefix, extend, layout)
         if key not in self.cache:
-            self.cache[key] = make(bs, prefix, extend, probes=self.probes, stream=self.timer.handle)
+            self.cache[key] = make(bs, prefix, extend, probes=self.probes, stream=self.timer.handle,
+                                   layout=layout)
         return self.cache[key]
 
 

@@ -22,7 +22,7 @@ def gpu_unavailable_reason() -> str | None:
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:  # the marker, not the folder-name keyword
             reason = gpu_unavailable_reason()
             if reason:
                 item.add_marker(pytest.mark.skip(reason=f"gpu tier: {reason}"))

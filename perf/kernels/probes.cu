@@ -51,51 +51,76 @@ extern "C" __global__ void kvcp_chain(long long n, unsigned long long key, unsig
   if (h == key) out[0] = h;
 }
 
-// "Same loads, no compute" of one verify entry per grid-stride step.
+// "Same loads, no compute" of one verify entry per lane, grid-stride in warp-uniform steps.
 //  - plan variant (plan_slot != 0): the four int64 plan arrays, like kvc_verify;
 //  - fused variant (plan_slot == 0): req_pool_indices[r] and two int32 req_to_token reads, like
 //    kvc_fused_verify (uniform `per_req` entries per request, request r = e / per_req);
 //  - then the slot's 32-byte record, the predecessor's 24 bytes (prev > 0 only), and
-//    `hash_bytes` bytes of the real-KV source with 16-byte loads (0 = identity-only).
-//    The record is read as two 16-byte loads: the slot stride must be a multiple of 16 bytes.
-// Slot 0 entries are skipped after the index loads, as the kernels skip them.
+//    `hash_bytes` bytes of the real-KV source with 16-byte loads (0 = identity-only): each lane
+//    its own entry's strip (coop = 0, the pattern of kvc_fold_strip), or the warp's 32 strips
+//    one after another, each read by all 32 lanes (coop = 1, coalesced: the best pattern for
+//    long strips). The record is read as two 16-byte loads: the slot stride must be a multiple
+//    of 16 bytes. Slot 0 entries are skipped after the index loads, as the kernels skip them.
+__device__ __forceinline__ const ulonglong2* kvcp_strip(const unsigned char* src, long long row_stride,
+                                                        long long page_size, long long bytes_per_token,
+                                                        long long slot) {
+  const long long row = slot / page_size, col = slot - row * page_size;
+  return reinterpret_cast<const ulonglong2*>(src + row * row_stride + col * bytes_per_token);
+}
+
 extern "C" __global__ void __launch_bounds__(256)
 kvcp_verify_loads(const long long* canary, long long stride_words,
                   const long long* plan_slot, const long long* plan_token,
                   const long long* plan_position, const long long* plan_prev,
                   const long long* req_pool_indices, const int* req_to_token, long long rtt_stride,
                   long long per_req, const unsigned char* src, long long src_row_stride,
-                  long long page_size, long long bytes_per_token, long long hash_bytes,
+                  long long page_size, long long bytes_per_token, long long hash_bytes, int coop,
                   long long n, unsigned long long key, unsigned long long* out) {
+  const int lane = threadIdx.x & 31;
   const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   const long long stride = (long long)gridDim.x * blockDim.x;
+  const long long n16 = hash_bytes >> 4;
   unsigned long long acc = 0;
-  for (long long e = tid; e < n; e += stride) {
-    long long slot, prev;
-    if (plan_slot != 0) {
-      slot = plan_slot[e];
-      prev = plan_prev[e];
-      acc ^= (unsigned long long)(plan_token[e] ^ plan_position[e]);
-    } else {
-      const long long r = e / per_req, pos = e - r * per_req;
-      const int* row = req_to_token + req_pool_indices[r] * rtt_stride;
-      slot = row[pos];
-      prev = pos > 0 ? (long long)row[pos - 1] : -1;
+  for (long long base = tid - lane; base < n; base += stride) {  // warp-uniform loop
+    const long long e = base + lane;
+    long long slot = 0, prev = -1;
+    if (e < n) {
+      if (plan_slot != 0) {
+        slot = plan_slot[e];
+        prev = plan_prev[e];
+        acc ^= (unsigned long long)(plan_token[e] ^ plan_position[e]);
+      } else {
+        const long long r = e / per_req, pos = e - r * per_req;
+        const int* row = req_to_token + req_pool_indices[r] * rtt_stride;
+        slot = row[pos];
+        prev = pos > 0 ? (long long)row[pos - 1] : -1;
+      }
     }
-    if (slot == 0) continue;
-    const ulonglong2* f = reinterpret_cast<const ulonglong2*>(canary + slot * stride_words);
-    const ulonglong2 a = f[0], b = f[1];
-    acc ^= a.x ^ a.y ^ b.x ^ b.y;
-    if (prev > 0) {
-      const unsigned long long* g = reinterpret_cast<const unsigned long long*>(canary + prev * stride_words);
-      acc ^= g[0] ^ g[1] ^ g[2];
+    if (slot != 0) {
+      const ulonglong2* f = reinterpret_cast<const ulonglong2*>(canary + slot * stride_words);
+      const ulonglong2 a = f[0], b = f[1];
+      acc ^= a.x ^ a.y ^ b.x ^ b.y;
+      if (prev > 0) {
+        const unsigned long long* g = reinterpret_cast<const unsigned long long*>(canary + prev * stride_words);
+        acc ^= g[0] ^ g[1] ^ g[2];
+      }
+      if (!coop) {
+        const ulonglong2* p = kvcp_strip(src, src_row_stride, page_size, bytes_per_token, slot);
+        for (long long i = 0; i < n16; ++i) {
+          const ulonglong2 v = __ldg(p + i);
+          acc ^= v.x ^ v.y;
+        }
+      }
     }
-    if (hash_bytes > 0) {
-      const long long prow = slot / page_size, col = slot - prow * page_size;
-      const ulonglong2* p = reinterpret_cast<const ulonglong2*>(src + prow * src_row_stride + col * bytes_per_token);
-      for (long long i = 0; i < (hash_bytes >> 4); ++i) {
-        const ulonglong2 v = __ldg(p + i);
-        acc ^= v.x ^ v.y;
+    if (coop && n16 > 0) {
+      for (int j = 0; j < 32; ++j) {
+        const long long s = __shfl_sync(KVC_FULL_MASK, slot, j);
+        if (s == 0) continue;  // uniform across the warp
+        const ulonglong2* p = kvcp_strip(src, src_row_stride, page_size, bytes_per_token, s);
+        for (long long i = lane; i < n16; i += 32) {
+          const ulonglong2 v = __ldg(p + i);
+          acc ^= v.x ^ v.y;
+        }
       }
     }
   }

@@ -1,0 +1,27 @@
+"""Engine adapters: point kvcanary at the KV pool an engine already has.
+
+Each adapter is duck-typed on the engine's objects and imports no engine package (and never torch
+at import time): it builds the :class:`~kvcanary.manager.PoolGroup` s and
+:class:`~kvcanary.RealKvSource` s of a pool, a ready :class:`~kvcanary.manager.KvCanary`, and the
+per-step :class:`~kvcanary.Batch` from the engine's metadata, on the engine's device.
+
+- :mod:`.sglang`: SGLang-style MHA / MLA / hybrid SWA pools, with scale tensors of quantised pools;
+- :mod:`.vllm`: vLLM-style per-layer paged caches and the block table -> ``req_to_token`` expansion;
+- :mod:`.transformers_paged`: Hugging Face ``transformers`` continuous batching (``generate_batch``).
+
+Which layers are fingerprinted is chosen with ``layers=``: None/"first" (default, layer 0), "all"
+(up to ``MAX_REAL_KV_SOURCES`` sources per pool half) or a list of layer indices.
+"""
+
+from .common import select_layers
+from .sglang import (is_swa_pool, sglang_batch, sglang_canary, sglang_groups, sglang_pool_group,
+                     sglang_sources)
+from .transformers_paged import StepInfo, TransformersCanary
+from .vllm import (block_table_to_req_to_token, vllm_batch, vllm_canary, vllm_layer_sources,
+                   vllm_pool_group)
+
+__all__ = [
+    "select_layers", "is_swa_pool", "sglang_batch", "sglang_canary", "sglang_groups", "sglang_pool_group",
+    "sglang_sources", "StepInfo", "TransformersCanary", "block_table_to_req_to_token", "vllm_batch",
+    "vllm_canary", "vllm_layer_sources", "vllm_pool_group",
+]

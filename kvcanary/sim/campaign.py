@@ -1,0 +1,175 @@
+"""Fault-injection campaign: for each class x hash mode, N independent seeded injections in
+randomized workloads of the simulated engine; plus long clean runs for false positives.
+
+An injection is *detected* when the canary reported (mode "log" through the export callback,
+or mode "raise" through CanaryViolationError) a violation that names one of the fault's
+involved slots at or after the step the fault landed; *missed* when the fault was really read
+(engine ground truth) and nothing was reported; *not exercised* when it never landed or was
+never read. Class x mode pairs that FAULTS.md says a mode cannot see are "not covered" and not
+run. Latency is counted in engine steps from the corruption to the first report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections import Counter
+from dataclasses import asdict, replace
+
+import numpy as np
+
+from .engine import Engine
+from .faults import CLASSES, K1, K2, K3, K4, MODES, PARTIAL_NOTE, TITLES, coverage
+from .faults_kv import K5, K6, K7, K10, K12
+from .faults_step import K8, K9, K11, K13
+from .state import SimConfig
+
+INJECTORS = {f.cls: f for f in (K1, K2, K3, K4, K5, K6, K7, K8, K9, K10, K11, K12, K13)}
+
+
+@contextlib.contextmanager
+def quiet():
+    """Keep the canary's per-violation log lines off the terminal while faults are injected."""
+    log = logging.getLogger("kvcanary")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def random_config(rng: np.random.Generator, needs: dict) -> SimConfig:
+    """A randomized small workload, then the fault's needs (values or functions of the config)."""
+    pick = lambda *xs: xs[int(rng.integers(len(xs)))]  # noqa: E731
+    cfg = SimConfig(num_slots=pick(2048, 4096), page_size=pick(1, 4, 16), layers=pick(1, 2, 3),
+                    heads=pick(2, 4), head_bytes=pick(16, 32), scales=bool(rng.random() < 0.5),
+                    swa_window=pick(0, 0, 16, 32), spec_k=pick(0, 0, 2, 3), offload=bool(rng.random() < 0.7),
+                    sweep_every=pick(2, 3, 4, 5), max_running=pick(3, 4, 6, 8), chunk=pick(16, 32, 64),
+                    pad_rows=pick(0, 1, 2, 3), prompt_len=(8, pick(64, 120)), seed=int(rng.integers(1 << 31)))
+    return replace(cfg, **{k: v(cfg) if callable(v) else v for k, v in needs.items()})
+
+
+def run_injection(cls: str, mode: str, seed: int, *, backend: str = "cpu", report: str = "log",
+                  max_steps: int = 90) -> dict:
+    """One seeded injection of ``cls`` under hash ``mode``; a dict with its outcome and evidence."""
+    rng = np.random.default_rng(seed)
+    fault = INJECTORS[cls](rng, mode)
+    cfg = random_config(rng, fault.needs)
+    eng = Engine(cfg, hash_mode=mode, backend=backend, report=report, fault=fault)
+    warm, error = int(rng.integers(8, 16)), None
+    try:
+        with quiet():
+            while eng.t < max_steps:
+                fault.active = fault.active or (eng.t >= warm and fault.injected is None)
+                eng.step()
+                if fault.injected is None:
+                    continue
+                since_read = None if fault.read is None else eng.t - fault.read
+                if since_read is not None and (_caught(eng, fault) or since_read > cfg.sweep_every + 2):
+                    break
+                if fault.read is None and eng.t - fault.injected > 3 * cfg.sweep_every + 12:
+                    break
+            eng.finish()
+    except Exception as exc:  # a corrupted engine may trip over itself after the fact
+        error = f"{type(exc).__name__}: {exc}"
+    hits = _caught(eng, fault)
+    early = [v for v in eng.violations if fault.injected is None or v["step"] < fault.injected]
+    if fault.injected is None or fault.read is None:
+        outcome = "not_exercised"
+        reason = "never injected" if fault.injected is None else "corruption never read"
+    else:
+        outcome, reason = ("detected", "") if hits else ("missed", "")
+    return dict(cls=cls, mode=mode, seed=seed, backend=backend, outcome=outcome, reason=reason,
+                variant=fault.evidence.get("variant", ""), injected_step=fault.injected,
+                read_step=fault.read, report_step=hits[0]["step"] if hits else None,
+                latency=hits[0]["step"] - fault.injected if hits else None,
+                violations=len(eng.violations), clean_violations=len(early), error=error,
+                first_report=hits[0] if hits else None, evidence=_jsonable(fault.evidence),
+                workload=dict(steps=eng.t, **eng.counts), config=asdict(cfg))
+
+
+def _caught(eng, fault) -> list[dict]:
+    return [v for v in eng.violations if fault.injected is not None and v["step"] >= fault.injected
+            and v["slot"] in fault.involved.get(v["group"], ())]
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x.item() if isinstance(x, np.generic) else x
+
+
+def seed_for(seed: int, cls: str, mode: str, i: int) -> int:
+    return int(np.random.SeedSequence([seed, CLASSES.index(cls), MODES.index(mode), i]).generate_state(1)[0])
+
+
+def run_campaign(classes=CLASSES, modes=MODES, injections: int = 3, *, backend: str = "cpu",
+                 seed: int = 0, report: str = "log", progress=None) -> dict:
+    """Every class x mode: ``injections`` seeded injections (covered pairs only); returns a dict
+    with one cell per pair (counts, rate, latency, variants) and every injection's record."""
+    jobs = [(c, m) for c in classes for m in modes if coverage(c, m)[0]]
+    total, done, t0 = len(jobs) * injections, 0, time.perf_counter()
+    cells, runs = {}, []
+    for c in classes:
+        for m in modes:
+            covered, why = coverage(c, m)
+            cell = dict(covered=covered, note=why)
+            if covered:
+                rs = []
+                for i in range(injections):
+                    rs.append(run_injection(c, m, seed_for(seed, c, m, i), backend=backend, report=report))
+                    done += 1
+                    if progress:
+                        progress(done, total, f"{c} {m}")
+                cell.update(_summary(rs))
+                runs += rs
+            cells[f"{c}/{m}"] = cell
+    return dict(backend=backend, seed=seed, injections=injections, classes=list(classes), modes=list(modes),
+                titles={c: TITLES[c] for c in classes}, partial_note=PARTIAL_NOTE, cells=cells, runs=runs,
+                seconds=round(time.perf_counter() - t0, 2))
+
+
+def _summary(rs: list[dict]) -> dict:
+    n = Counter(r["outcome"] for r in rs)
+    lat = [r["latency"] for r in rs if r["outcome"] == "detected"]
+    exercised = n["detected"] + n["missed"]
+    return dict(injections=len(rs), detected=n["detected"], missed=n["missed"],
+                not_exercised=n["not_exercised"], rate=(n["detected"] / exercised) if exercised else None,
+                latency_max=max(lat) if lat else None, latency_mean=float(np.mean(lat)) if lat else None,
+                clean_violations=sum(r["clean_violations"] for r in rs),
+                errors=sum(r["error"] is not None for r in rs),
+                variants=dict(Counter(r["variant"] for r in rs if r["variant"])))
+
+
+def clean_config(seed: int = 0, **overrides) -> SimConfig:
+    """A busy clean workload: long shared contexts, big batches, SWA, drafts, offload, sweeps."""
+    cfg = SimConfig(num_slots=1 << 14, page_size=16, layers=2, max_running=32, max_len=2048,
+                    prompt_len=(600, 1500), output_len=(4, 16), chunk=512, share_prob=0.6,
+                    swa_window=64, spec_k=2, sweep_every=4, cache_entries=48, host_entries=8,
+                    admit_per_step=32, verify_capacity=1 << 17, sweep_capacity=1 << 15, seed=seed)
+    return replace(cfg, **overrides)
+
+
+def clean_run(min_verified: int = 10**6, *, hash_mode: str = "all", backend: str = "cpu", seed: int = 0,
+              max_steps: int = 10_000, progress=None, **overrides) -> dict:
+    """Run a clean engine until the canary verified ``min_verified`` slots; every violation is a
+    false positive."""
+    eng = Engine(clean_config(seed, **overrides), hash_mode=hash_mode, backend=backend)
+    t0 = time.perf_counter()
+    while eng.t < max_steps:
+        eng.step()
+        verified = eng.stats()["verified_slots"]
+        if progress:
+            progress(min(verified, min_verified), min_verified, f"clean {hash_mode}")
+        if verified >= min_verified:
+            break
+    eng.finish()
+    s = eng.stats()
+    return dict(hash_mode=hash_mode, backend=backend, steps=eng.t, verified_slots=s["verified_slots"],
+                protected_tokens=s["protected_tokens"], false_positives=len(eng.violations),
+                first_false_positives=eng.violations[:5], workload=dict(eng.counts),
+                seconds=round(time.perf_counter() - t0, 2))

@@ -1,0 +1,101 @@
+"""Campaign output: the terminal matrix, a JSON file and a PNG heat map (matplotlib, if installed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def cell_text(cell: dict) -> str:
+    if not cell["covered"]:
+        return "not covered"
+    exercised = cell["detected"] + cell["missed"]
+    text = f"{cell['detected']}/{exercised}" + ("  MISS" if cell["missed"] else "")
+    return text + (f" +{cell['not_exercised']} n.e." if cell["not_exercised"] else "")
+
+
+def format_table(result: dict, clean: list[dict] | None = None) -> str:
+    """The class x mode matrix: detected/exercised per cell, then latency and clean runs."""
+    modes, cells = result["modes"], result["cells"]
+    lines = [f"kvcanary fault-injection campaign: backend {result['backend']}, {result['injections']} "
+             f"injection(s) per class x mode, seed {result['seed']}, {result['seconds']} s",
+             f"{'class':<29}" + "".join(f"{m:<17}" for m in modes) + "latency (steps)"]
+    for c in result["classes"]:
+        row = [cells[f"{c}/{m}"] for m in modes]
+        lat = [x["latency_max"] for x in row if x.get("latency_max") is not None]
+        means = [x["latency_mean"] for x in row if x.get("latency_mean") is not None]
+        lat_text = f"max {max(lat)}, mean {sum(means) / len(means):.1f}" if lat else "-"
+        lines.append(f"{c:<4} {result['titles'][c]:<24}" + "".join(f"{cell_text(x):<17}" for x in row) + lat_text)
+    lines += ["cells: detected / exercised injections (the fault landed and was read); n.e. = never "
+              "read, not counted; latency: steps from the corruption to the first report.",
+              "not covered: " + ("; ".join(f"{k.replace('/', ' in ')}" for k, x in cells.items() if not x["covered"])
+                                 or "none") + " (identity-only mode hashes no KV bytes).",
+              result["partial_note"] + "."]
+    bad = [r for r in result["runs"] if r["clean_violations"] or r["error"]]
+    if bad:
+        lines.append(f"WARNING: {len(bad)} injection(s) with violations before the fault or engine errors")
+    for c in clean or []:
+        lines.append(f"clean run ({c['hash_mode']}): {c['verified_slots']:,} verified slots, "
+                     f"{c['protected_tokens']:,} protected tokens, {c['false_positives']} false positive(s), "
+                     f"{c['steps']} steps, {c['seconds']} s")
+    return "\n".join(lines)
+
+
+def passed(result: dict, clean: list[dict] | None = None) -> bool:
+    """Every exercised injection of a covered pair detected, nothing reported on clean runs."""
+    return (all(x["missed"] == 0 and x["clean_violations"] == 0 for x in result["cells"].values() if x["covered"])
+            and all(c["false_positives"] == 0 for c in clean or []))
+
+
+def write_json(result: dict, clean: list[dict] | None, path: str) -> str:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({**result, "clean_runs": clean or []}, f, indent=1, sort_keys=True, default=str)
+    return path
+
+
+def heatmap(result: dict, path: str) -> str | None:
+    """PNG of detection rate per class x mode; None when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    import numpy as np
+    classes, modes = result["classes"], result["modes"]
+    rate = np.full((len(classes), len(modes)), np.nan)
+    fig, ax = plt.subplots(figsize=(2 + 1.6 * len(modes), 1 + 0.45 * len(classes)))
+    for i, c in enumerate(classes):
+        for j, m in enumerate(modes):
+            cell = result["cells"][f"{c}/{m}"]
+            if cell["covered"] and cell["rate"] is not None:
+                rate[i, j] = cell["rate"]
+            ax.text(j, i, cell_text(cell).replace(" +", "\n+"), ha="center", va="center", fontsize=7)
+    ax.imshow(np.ma.masked_invalid(rate), cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+    ax.set_xticks(range(len(modes)), modes)
+    ax.set_yticks(range(len(classes)), [f"{c} {result['titles'][c]}" for c in classes])
+    ax.set_title(f"kvcanary detection rate ({result['backend']}, {result['injections']} per cell)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+class Progress:
+    """A one-line progress bar on stderr (only when stderr is a terminal, or when forced)."""
+
+    def __init__(self, enabled: bool | None = None, width: int = 30, stream=None):
+        self.stream = stream or sys.stderr
+        self.enabled = self.stream.isatty() if enabled is None else enabled
+        self.width = width
+
+    def __call__(self, done: int, total: int, label: str = "") -> None:
+        if not self.enabled or total <= 0:
+            return
+        fill = int(self.width * done / total)
+        self.stream.write(f"\r[{'#' * fill}{'.' * (self.width - fill)}] {done}/{total} {label:<16}")
+        if done >= total:
+            self.stream.write("\n")
+        self.stream.flush()
