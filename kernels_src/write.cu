@@ -35,6 +35,20 @@ __device__ __forceinline__ void kvc_write_load(const KvcWriteParams& p, KvcWrite
   }
 }
 
+#define KVC_CHAIN_GROUP 8
+
+// Entries [j0, j0 + GROUP) of a staged chunk into registers (zeros past the chunk's end).
+__device__ __forceinline__ void kvc_chain_group(const KvcWriteStage& st, int j0, long long* s, long long* t,
+                                                long long* q) {
+#pragma unroll
+  for (int u = 0; u < KVC_CHAIN_GROUP; ++u) {
+    const bool in = j0 + u < KVC_WRITE_CHUNK;
+    s[u] = in ? st.slot[j0 + u] : -1;
+    t[u] = in ? st.token[j0 + u] : 0;
+    q[u] = in ? st.position[j0 + u] : 0;
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(KVC_WRITE_THREADS) kvc_write(const __grid_constant__ KvcWriteParams p) {
   __shared__ KvcWriteStage stage[2];
   __shared__ uint64_t chain[KVC_WRITE_CHUNK];     // PREV_HASH stored by each entry of the chunk
@@ -71,14 +85,29 @@ extern "C" __global__ void __launch_bounds__(KVC_WRITE_THREADS) kvc_write(const 
       const int n = (int)(end - base < KVC_WRITE_CHUNK ? end - base : KVC_WRITE_CHUNK);
       const KvcWriteStage& st = stage[buf];
       if (tid == 0) {
-#pragma unroll 8
-        for (int j = 0; j < n; ++j) {
-          chain[j] = running;
-          chain_pos[j] = running_pos;
-          const long long s = st.slot[j];
-          if (s >= 0 && s < p.num_slots) {
-            running = kvc_mix3(running, (uint64_t)st.token[j], (uint64_t)st.position[j]);
-            running_pos = st.position[j];
+        // Groups of 8: the next group is read from shared memory before this group's mix3 steps,
+        // and skipped entries select instead of branching, so only the arithmetic is serial.
+        long long s0[KVC_CHAIN_GROUP], t0[KVC_CHAIN_GROUP], q0[KVC_CHAIN_GROUP];
+        kvc_chain_group(st, 0, s0, t0, q0);
+        for (int j0 = 0; j0 < n; j0 += KVC_CHAIN_GROUP) {
+          long long s1[KVC_CHAIN_GROUP], t1[KVC_CHAIN_GROUP], q1[KVC_CHAIN_GROUP];
+          kvc_chain_group(st, j0 + KVC_CHAIN_GROUP, s1, t1, q1);
+#pragma unroll
+          for (int u = 0; u < KVC_CHAIN_GROUP; ++u) {
+            if (j0 + u < n) {
+              chain[j0 + u] = running;
+              chain_pos[j0 + u] = running_pos;
+              const bool stamp = s0[u] >= 0 && s0[u] < p.num_slots;
+              const uint64_t next = kvc_mix3(running, (uint64_t)t0[u], (uint64_t)q0[u]);
+              running = stamp ? next : running;
+              running_pos = stamp ? q0[u] : running_pos;
+            }
+          }
+#pragma unroll
+          for (int u = 0; u < KVC_CHAIN_GROUP; ++u) {
+            s0[u] = s1[u];
+            t0[u] = t1[u];
+            q0[u] = q1[u];
           }
         }
       } else if (warp > 0 && base + KVC_WRITE_CHUNK < end) {

@@ -63,6 +63,18 @@ def nvrtc_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+def nvrtc_identity() -> str:
+    """What names the NVRTC in use for the cache key, without loading libnvrtc when possible
+    (loading it costs a few hundred ms): the nvidia-cuda-nvrtc wheel's exact version, else the
+    library's own major.minor."""
+    from importlib import metadata
+    try:
+        return "wheel " + metadata.version("nvidia-cuda-nvrtc")
+    except metadata.PackageNotFoundError:
+        major, minor = nvrtc_version()
+        return f"lib {major}.{minor}"
+
+
 def supported_archs() -> tuple[int, ...]:
     from cuda.bindings import nvrtc
     _, archs = nvrtc.nvrtcGetSupportedArchs()
@@ -119,7 +131,7 @@ class CompiledKernels:
     """Cubins by arch plus what the doctor reports about how they were obtained."""
 
     cubins: dict[int, bytes]
-    nvrtc_version: tuple[int, int]
+    nvrtc: str  # nvrtc_identity(): what the cache key names
     cache_dir: Path | None
     hits: int
     misses: int
@@ -132,27 +144,28 @@ def load_kernels(archs: tuple[int, ...] | None = None, cache: CubinCache | None 
     from . import __version__
     archs = archs or configured_archs()
     cache = cache if cache is not None else CubinCache(default_dir())
-    version = nvrtc_version()
-    available = set(supported_archs())
-    skipped = tuple(a for a in archs if a not in available)
-    if skipped:
-        warnings.warn(f"kv-canary: NVRTC {version[0]}.{version[1]} cannot target sm_{skipped}; "
-                      f"skipping them (supported: {sorted(available)}). Fix: set KVCANARY_ARCHS to "
-                      f"supported archs or upgrade nvidia-cuda-nvrtc.", RuntimeWarning, stacklevel=2)
-    archs = tuple(a for a in archs if a in available)
+    identity = nvrtc_identity()
     sources, prelude = read_sources(), abi.render_prelude()
-    keys = {a: cache_key(schema="kvcanary-kernels/1", kvcanary=__version__, nvrtc=version, arch=a,
+    keys = {a: cache_key(schema="kvcanary-kernels/1", kvcanary=__version__, nvrtc=identity, arch=a,
                          options=tuple(sorted(OPTIONS)), prelude=prelude.encode(),
                          sources=tuple((n, s.encode()) for n, s in sources.items()))
             for a in archs}
     hits0, misses0 = cache.hits, cache.misses
     cubins = {a: c for a in archs if (c := cache.get(keys[a])) is not None}
     todo = [a for a in archs if a not in cubins]
-    if todo:
+    skipped: tuple[int, ...] = ()
+    if todo:  # only now is libnvrtc loaded
+        available = set(supported_archs())
+        skipped = tuple(a for a in todo if a not in available)
+        if skipped:
+            warnings.warn(f"kv-canary: NVRTC {identity} cannot target sm_{skipped}; skipping them "
+                          f"(supported: {sorted(available)}). Fix: set KVCANARY_ARCHS to supported "
+                          f"archs or upgrade nvidia-cuda-nvrtc.", RuntimeWarning, stacklevel=2)
+        todo = [a for a in todo if a in available]
         with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1)) as pool:
             for a, cubin in zip(todo, pool.map(lambda a: compile_cubin(sources, prelude, a), todo)):
                 cache.put(keys[a], cubin)
                 cubins[a] = cubin
-    return CompiledKernels(cubins=cubins, nvrtc_version=version, cache_dir=cache.directory,
+    return CompiledKernels(cubins=cubins, nvrtc=identity, cache_dir=cache.directory,
                            hits=cache.hits - hits0, misses=cache.misses - misses0,
                            skipped_archs=skipped, keys=keys)

@@ -14,13 +14,13 @@ import sys
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--injections", type=int, default=3, help="seeded injections per class x mode (default 3)")
+    p.add_argument("--injections", type=int, default=5, help="seeded injections per class x mode (default 5)")
     p.add_argument("--classes", default="all", help="comma-separated classes, e.g. K1,K5,K12 (default all)")
     p.add_argument("--modes", default="none,partial,all", help="comma-separated hash modes (default all three)")
     p.add_argument("--backend", choices=("auto", "cpu", "gpu"), default="auto",
                    help="gpu if a CUDA device answers, else the CPU reference (default auto)")
     p.add_argument("--out", default=None, metavar="DIR", help="also write campaign.json (and campaign.png)")
-    p.add_argument("--clean-slots", type=int, default=300_000,
+    p.add_argument("--clean-slots", type=int, default=1_000_000,
                    help="verified slots of the clean run that counts false positives (0: skip)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report", choices=("log", "raise"), default="log",

@@ -24,7 +24,8 @@ def run(out=sys.stdout) -> int:
     say("kvcanary", kvcanary.__version__)
     say("format", f"v{abi.FORMAT_VERSION} (SGLang KV canary compatible)")
     say("cuda-bindings", _version("cuda-bindings"))
-    say("NVRTC", f"{c.nvrtc_version[0]}.{c.nvrtc_version[1]} (nvidia-cuda-nvrtc {_version('nvidia-cuda-nvrtc')})")
+    major, minor = kvcanary._compile.nvrtc_version()
+    say("NVRTC", f"{major}.{minor} ({c.nvrtc})")
     say("archs compiled", ", ".join(f"sm_{a}" for a in sorted(c.cubins)))
     if c.skipped_archs:
         say("archs skipped", ", ".join(f"sm_{a}" for a in c.skipped_archs))

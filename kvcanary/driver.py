@@ -23,6 +23,7 @@ _compiled = None  # set by kvcanary/__init__.py: compile.CompiledKernels
 # Stream handles with a meaning of their own (cuda.h): never chosen implicitly.
 LEGACY_STREAM = 0x1
 PER_THREAD_STREAM = 0x2
+_CONTEXT_ERRORS = (201, 400, 709)  # INVALID_CONTEXT, INVALID_HANDLE, CONTEXT_IS_DESTROYED
 
 
 def _driver():
@@ -85,6 +86,8 @@ class DeviceRuntime:
     arch: int
     functions: dict[str, object] = field(default_factory=dict)
     library: object = None
+    sole: bool = False  # the only CUDA device of the process
+    _streams: dict = field(default_factory=dict)  # CUstream objects by handle (launch hot path)
 
     def enter(self) -> bool:
         """Make this device's primary context current; True if one had to be pushed.
@@ -112,11 +115,26 @@ class DeviceRuntime:
             self.leave(pushed)
 
     def launch(self, name: str, grid: int, block: int, args_address: int, stream: int) -> None:
-        """Launch ``name`` with a prepacked ``void*[1]`` at ``args_address`` on ``stream``."""
+        """Launch ``name`` with a prepacked ``void*[1]`` at ``args_address`` on ``stream``.
+
+        On a machine with one device there is one primary context: launch first, and make it
+        current only if the driver refuses (no or another context current). With several
+        devices the current context is checked before every launch.
+        """
+        d = _driver()
+        fn = self.functions[name]
+        s = self._streams.get(stream)
+        if s is None:
+            s = self._streams.setdefault(stream, d.CUstream(stream))
+        if self.sole:
+            (err,) = d.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, s, args_address, 0)
+            if int(err) == 0:
+                return
+            if int(err) not in _CONTEXT_ERRORS:
+                raise DriverError(f"cuLaunchKernel({name}, grid={grid}, block={block})", err.name)
         pushed = self.enter()
         try:
-            (err,) = _driver().cuLaunchKernel(self.functions[name], grid, 1, 1, block, 1, 1, 0,
-                                              stream, args_address, 0)
+            (err,) = d.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, s, args_address, 0)
         finally:
             self.leave(pushed)
         if int(err) != 0:
@@ -175,7 +193,7 @@ def _load_library(ordinal: int, ctx: int, capability: tuple[int, int], sms: int)
     library = check(d.cuLibraryLoadData(cubin, None, None, 0, None, None, 0), "cuLibraryLoadData",
                     f"loading the sm_{arch} cubin on device {ordinal} (sm_{major}{minor})")
     rt = DeviceRuntime(ordinal=ordinal, context=ctx, capability=capability, sm_count=sms,
-                       arch=arch, library=library)
+                       arch=arch, library=library, sole=device_count() == 1)
     for name, struct_name in abi.KERNELS.items():
         kernel = check(d.cuLibraryGetKernel(library, name.encode()), f"cuLibraryGetKernel({name})")
         _check_param_size(kernel, name, ctypes.sizeof(abi.CTYPES[struct_name]))

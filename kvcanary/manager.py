@@ -205,12 +205,13 @@ class KvCanary:
     def poll(self, stream=None) -> None:
         """Report what the newest completed snapshot shows, then snapshot again. Never waits on
         the device, except to read back ring rows after violations were seen."""
+        if self.device is not None and stream is not None:
+            from . import memory
+            if memory.is_capturing(stream, self.device):  # no event queries or copies in a capture
+                return
         for snap, (step, expected) in self.pump.take((self.step, self._expected.copy())):
             self._process(snap, expected, step)
         if self.device is not None and stream is not None:
-            from . import memory
-            if memory.is_capturing(stream, self.device):
-                return
             self.pump.snapshot(stream, (self.step, self._expected.copy()))
         self.step += 1
 
@@ -263,6 +264,16 @@ class KvCanary:
             raise KvCanaryError("kv-canary: health check failed, expected every enqueued canary launch "
                                 "to have run, got: " + "; ".join(lagging) + ". Fix: make sure the canary "
                                 "launches are on the stream (or in the CUDA graph) that is replayed")
+
+    def buffers(self) -> dict[tuple[str, str, str], np.ndarray]:
+        """Host copies of the canary buffers by (HEAD/TAIL, group, half). Synchronises (debugging
+        and tests, not the serving loop)."""
+        out = {}
+        for (st, g, h, op), ctx in self.ctx.items():
+            if op == "write":
+                arr = ctx.buffer.array
+                out[st, g, h] = np.array(arr) if isinstance(arr, np.ndarray) else arr.numpy()
+        return out
 
     def record_replay(self, stages=("HEAD", "TAIL")) -> None:
         """Tell the health check that a captured graph holding these stages was replayed."""

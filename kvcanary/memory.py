@@ -76,8 +76,10 @@ class DeviceArray:
             raise ValueError(f"kv-canary: copy_from_host expected {self.nbytes} bytes "
                              f"(shape {self.shape}, {self.dtype}), got {host.nbytes} (shape {host.shape})")
         d, rt = driver._driver(), self._alloc.rt
-        if stream is None:
-            check(rt.call(d.cuMemcpyHtoD, self.ptr, host.ctypes.data, host.nbytes), "cuMemcpyHtoD")
+        if stream is None:  # complete on return: pageable copies may otherwise still be in flight
+            check(rt.call(d.cuMemcpyHtoDAsync, self.ptr, host.ctypes.data, host.nbytes, driver.PER_THREAD_STREAM),
+                  "cuMemcpyHtoDAsync")
+            check(rt.call(d.cuStreamSynchronize, driver.PER_THREAD_STREAM), "cuStreamSynchronize")
         else:
             check(rt.call(d.cuMemcpyHtoDAsync, self.ptr, host.ctypes.data, host.nbytes, stream), "cuMemcpyHtoDAsync")
         return self
@@ -92,8 +94,9 @@ class DeviceArray:
 
     def zero_(self, stream: int | None = None) -> "DeviceArray":
         d, rt = driver._driver(), self._alloc.rt
-        if stream is None:
-            check(rt.call(d.cuMemsetD8, self.ptr, 0, self.nbytes), "cuMemsetD8")
+        if stream is None:  # done before returning, so work on any stream sees the zeros
+            check(rt.call(d.cuMemsetD8Async, self.ptr, 0, self.nbytes, driver.PER_THREAD_STREAM), "cuMemsetD8Async")
+            check(rt.call(d.cuStreamSynchronize, driver.PER_THREAD_STREAM), "cuStreamSynchronize")
         else:
             check(rt.call(d.cuMemsetD8Async, self.ptr, 0, self.nbytes, stream), "cuMemsetD8Async")
         return self
@@ -121,8 +124,9 @@ def copy_async(dst_ptr: int, src_ptr: int, nbytes: int, stream: int, device: int
 def copy_from_host_ptr(dst_ptr: int, host: np.ndarray, device: int) -> None:
     """Synchronous host -> device copy of ``host`` to ``dst_ptr``."""
     host = np.ascontiguousarray(host)
-    d = driver._driver()
-    check(driver.runtime(device).call(d.cuMemcpyHtoD, dst_ptr, host.ctypes.data, host.nbytes), "cuMemcpyHtoD")
+    d, rt = driver._driver(), driver.runtime(device)
+    check(rt.call(d.cuMemcpyHtoDAsync, dst_ptr, host.ctypes.data, host.nbytes, driver.PER_THREAD_STREAM), "cuMemcpyHtoDAsync")
+    check(rt.call(d.cuStreamSynchronize, driver.PER_THREAD_STREAM), "cuStreamSynchronize")
 
 
 def copy_to_host_ptr(host: np.ndarray, src_ptr: int, device: int) -> np.ndarray:

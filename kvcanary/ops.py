@@ -27,12 +27,13 @@ class Launch:
     inside are fixed: replay only while the arrays it was built from are alive and unchanged.
     """
 
-    __slots__ = ("rt", "name", "grid", "block", "params", "_ptrs", "address", "stream")
+    __slots__ = ("rt", "name", "grid", "block", "params", "_ptrs", "address", "stream", "keep")
 
-    def __init__(self, rt, name: str, grid: int, block: int, params, stream: int):
+    def __init__(self, rt, name: str, grid: int, block: int, params, stream: int, keep=()):
         self.rt, self.name, self.grid, self.block, self.params, self.stream = rt, name, grid, block, params, stream
         self._ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(params))
         self.address = ctypes.addressof(self._ptrs)
+        self.keep = keep  # the objects owning every pointer in params stay alive with the launch
 
     def __call__(self, stream: int | None = None) -> None:
         self.rt.launch(self.name, self.grid, self.block, self.address, self.stream if stream is None else stream)
@@ -98,7 +99,7 @@ def prepare_verify(ctx: VerifyContext, plan: StepPlan, *, check_expected_token: 
     p.plan_capacity, p.check_expected_token = plan.verify_capacity, int(bool(check_expected_token))
     rt = _runtime(ctx.device)
     s = streams.resolve(stream, (ctx.buffer.array, plan.slot), views.values(), ctx.device)
-    return Launch(rt, "kvc_verify", _grid(rt, plan.verify_capacity), BLOCK, p, s)
+    return Launch(rt, "kvc_verify", _grid(rt, plan.verify_capacity), BLOCK, p, s, (ctx, plan))
 
 
 # ---- write ---------------------------------------------------------------------------------------
@@ -149,7 +150,8 @@ def prepare_write(ctx: VerifyContext, plan: StepPlan, input_ids, positions, out_
     p.chain_position_assert = ctx.flag_view.ptr
     rt = _runtime(ctx.device)
     s = streams.resolve(stream, (input_ids, ctx.buffer.array), views, ctx.device)
-    return Launch(rt, "kvc_write", _grid(rt, plan.max_batch, 1), BLOCK, p, s)  # a block per request
+    return Launch(rt, "kvc_write", _grid(rt, plan.max_batch, 1), BLOCK, p, s,  # a block per request
+                  (ctx, plan, input_ids, positions, out_cache_loc, expected_input_ids, expected_positions))
 
 
 # ---- plan builder and fused verify -------------------------------------------------------------------
@@ -223,14 +225,14 @@ def prepare_build_plan(batch: Batch, plan: StepPlan, *, swa_window: int = 0, swa
     p.write_seed = checked(plan.seed, "plan.seed", dtype=np.int64, ndim=1).ptr
     p.write_num_valid_reqs = checked(plan.num_valid_reqs, "plan.num_valid_reqs", dtype=np.int32, ndim=1).ptr
     p.write_req_capacity = plan.max_batch
-    launches = [Launch(rt, "kvc_prepare", 1, _PREPARE_BLOCK, p, s)]
+    launches = [Launch(rt, "kvc_prepare", 1, _PREPARE_BLOCK, p, s, (batch, plan, swa_map))]
     if plan.materialized:
         e = abi.ExpandParams()
         _fill_batch(e, v, batch, plan, swa_window, swa_map)
         e.plan_slot, e.plan_expected_token, e.plan_expected_position, e.plan_prev_slot = (
             checked(a, "plan entries", dtype=np.int64, ndim=1).ptr
             for a in (plan.slot, plan.expected_token, plan.expected_position, plan.prev_slot))
-        launches.append(Launch(rt, "kvc_expand", _grid(rt, plan.verify_capacity), BLOCK, e, s))
+        launches.append(Launch(rt, "kvc_expand", _grid(rt, plan.verify_capacity), BLOCK, e, s, (batch, plan, swa_map)))
     return launches
 
 
@@ -256,4 +258,4 @@ def prepare_fused_verify(ctx: VerifyContext, batch: Batch, plan: StepPlan, *, sw
     p.check_expected_token = int(bool(check_expected_token))
     rt = _runtime(ctx.device)
     s = streams.resolve(stream, (batch.req_pool_indices, ctx.buffer.array), v.values(), ctx.device)
-    return Launch(rt, "kvc_fused_verify", _grid(rt, plan.verify_capacity), BLOCK, p, s)
+    return Launch(rt, "kvc_fused_verify", _grid(rt, plan.verify_capacity), BLOCK, p, s, (ctx, batch, plan, swa_map))

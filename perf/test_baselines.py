@@ -5,7 +5,8 @@
   The torch version must find the workload clean, which checks its hashing against the kernels'.
 - The engine-facing ``kvcanary.manager.KvCanary`` (K half only): ``before_forward`` +
   ``after_forward`` eager and replayed from a ``torch.cuda.graph``, fused and plan designs,
-  plus its host time per eager step vs launches x raw launch floor (target <= 1.3x).
+  plus its host time per eager step vs launches x raw launch floor (target <= 1.3x). (The >= 3x
+  design target is judged in test_step.py, against the SGLang-shaped design.)
 Both skip without torch; the manager rows skip when the manager API is absent.
 """
 
@@ -141,7 +142,6 @@ def test_manager_step(report, workloads, timer, bounds, shape, mode):
                    bound_name=bound_name, series=f"manager {'step' if w.extend == 1 else 'prefill'} {mode} {replay}",
                    size=w.entries + w.new_tokens, plan_design_s=t[False, replay])
     report.row(f"{name}: fused=False / fused, graph", t[False, "graph"], "s", bound=t[True, "graph"],
-               bound_name="fused manager step", ratio=t[False, "graph"] / t[True, "graph"],
-               target=(">=", 3.0) if shape == "decode-bs256" else None)
+               bound_name="fused manager step", ratio=t[False, "graph"] / t[True, "graph"])
     report.row(f"{name}: host time per eager step", t["host"], "s", bound=5 * bounds.launch_floor,
                bound_name="5 x raw launch floor", target=HOST_TARGET if shape.startswith("decode") else None)

@@ -84,3 +84,12 @@ def test_demo_cli_runs_with_tiny_flags(tmp_path):
     data = json.loads((tmp_path / "campaign.json").read_text())
     assert data["cells"]["K9/none"]["covered"] is False and data["cells"]["K3/none"]["covered"] is True
     assert data["clean_runs"][0]["false_positives"] == 0
+
+
+@pytest.mark.gpu
+def test_reduced_campaign_and_clean_run_on_the_gpu():
+    res = campaign.run_campaign(CLASSES, MODES, injections=2, seed=2024, backend="gpu")
+    assert passed(res), format_table(res)
+    assert all(c["detected"] >= 1 for c in res["cells"].values() if c["covered"]), format_table(res)
+    clean = campaign.clean_run(10**6, hash_mode="all", backend="gpu", seed=3)
+    assert clean["verified_slots"] >= 10**6 and clean["false_positives"] == 0, clean["first_false_positives"]

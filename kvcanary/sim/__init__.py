@@ -1,5 +1,14 @@
-"""A simulated paged-KV serving engine, fault injectors for the classes K1-K13 of FAULTS.md and
-a campaign runner that measures what the canary catches (``python -m kvcanary demo``)."""
+"""A simulated paged-KV serving engine that drives a KvCanary through its public step API, fault
+injectors for the classes K1-K13 of FAULTS.md, and the campaign that measures what the canary
+catches (``python -m kvcanary demo``).
+
+- :mod:`.engine` — the engine (:class:`Engine`), :mod:`.cache` — allocation, prefix cache, host
+  tier, sweeps; :mod:`.kvpool` — KV tensors and the model's deterministic KV bytes;
+  :mod:`.state` — plain data.
+- :mod:`.faults`, :mod:`.faults_step`, :mod:`.faults_kv` — one injector per class, and the
+  coverage table (which hash mode can see which class).
+- :mod:`.campaign` — injections and clean runs; :mod:`.report` — table, JSON, heat map.
+"""
 
 from .engine import Engine, NoFault
 from .state import SimConfig

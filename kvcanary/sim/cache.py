@@ -137,7 +137,8 @@ class Cache:
         eng.counts["loads"] += 1
         eng.fault.on_load(eng, xfer)
         self.late.extend(xfer.late)
-        self.host.remove(h)
+        if h in self.host:  # (making room may have trimmed it from the host tier meanwhile)
+            self.host.remove(h)
         e = Entry(h.tokens[:n].copy(), h.keys[:n].copy(), dst, last=eng.t)
         self.entries.append(e)
         return e

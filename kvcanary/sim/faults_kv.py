@@ -228,8 +228,8 @@ class K12(Fault):
         before = row.copy()
         kind = str(self.pick(["1 bit", "2-3 bits"] + (["32-byte burst"] if nbytes >= 32 else [])))
         if kind == "32-byte burst":
-            start = int(self.rng.integers(0, min(win, nbytes - 32) + 1))
-            while (row[start:start + 32] == before[start:start + 32]).all():
+            start = int(self.rng.integers(0, min(win - 1, nbytes - 32) + 1))
+            while (row[:win] == before[:win]).all():  # the burst must change a hashed byte
                 row[start:start + 32] = self.rng.integers(0, 256, 32, dtype=np.uint8)
         else:
             bits = self.rng.choice(win * 8, 1 if kind == "1 bit" else int(self.rng.integers(2, 4)), replace=False)

@@ -72,7 +72,10 @@ def heatmap(result: dict, path: str) -> str | None:
             cell = result["cells"][f"{c}/{m}"]
             if cell["covered"] and cell["rate"] is not None:
                 rate[i, j] = cell["rate"]
-            ax.text(j, i, cell_text(cell).replace(" +", "\n+"), ha="center", va="center", fontsize=7)
+            dark = cell["covered"] and cell["rate"] is not None and (cell["rate"] > 0.8 or cell["rate"] < 0.2)
+            ax.text(j, i, cell_text(cell).replace(" +", "\n+"), ha="center", va="center", fontsize=8,
+                    color="white" if dark else "black")
+    ax.set_facecolor("#dddddd")  # not covered / nothing exercised
     ax.imshow(np.ma.masked_invalid(rate), cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
     ax.set_xticks(range(len(modes)), modes)
     ax.set_yticks(range(len(classes)), [f"{c} {result['titles'][c]}" for c in classes])
