@@ -21,6 +21,7 @@ from .sources import (RealKvSource, source_from_slots, sources_from_layers,  # n
                       sources_from_pages, sources_from_vllm)
 from .state import CanaryBuffer, VerifyContext, ViolationSink  # noqa: E402
 from .violations import Violation, decode_ring  # noqa: E402
+from .manager import KvCanary, PoolGroup  # noqa: E402
 
 __all__ = [
     "abi", "FailReason", "HashMode", "LaunchTag", "MAX_REAL_KV_SOURCES", "CanaryViolationError",
@@ -28,5 +29,5 @@ __all__ = [
     "ValidationTypeError", "ArrayView", "as_view", "from_pointer", "build_plan", "fused_verify",
     "verify", "write", "Batch", "StepPlan", "RealKvSource", "source_from_slots",
     "sources_from_layers", "sources_from_pages", "sources_from_vllm", "CanaryBuffer",
-    "VerifyContext", "ViolationSink", "Violation", "decode_ring", "COMPILED",
+    "VerifyContext", "ViolationSink", "Violation", "decode_ring", "COMPILED", "KvCanary", "PoolGroup",
 ]

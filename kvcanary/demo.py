@@ -43,7 +43,8 @@ def _split(text: str, allowed: tuple, what: str) -> list[str]:
     items = list(allowed) if text == "all" else [x.strip() for x in text.split(",") if x.strip()]
     bad = [x for x in items if x not in allowed]
     if bad or not items:
-        raise SystemExit(f"kv-canary: --{what} takes a comma-separated subset of {','.join(allowed)}, got {text!r}")
+        raise SystemExit(f"kv-canary: --{what} takes a comma-separated subset of {','.join(allowed)}, "
+                         f"got {text!r}")
     return items
 
 

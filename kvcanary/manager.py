@@ -119,15 +119,15 @@ class KvCanary:
         if self.mode == "none":
             return None
         s = None if self.device is None else streams.resolve(stream, (batch.req_pool_indices,), (), self.device)
-        for index, launch in self._launches(batch, stage):
-            if launch is not None:
-                launch(s)
-            if index is not None:  # plan-builder launches have no counters of their own
-                self._expected[index] += 1
+        launches, counted = self._launches(batch, stage)
+        for launch in launches:
+            launch(s)
+        self._expected[counted] += 1  # plan-builder launches have no counters of their own
         return s
 
-    def _launches(self, batch: Batch, stage: str) -> list:
-        """(context index, Launch) for one stage; packed once per set of batch arrays on the GPU."""
+    def _launches(self, batch: Batch, stage: str) -> tuple[list, np.ndarray]:
+        """(Launches, indices of the contexts they count for) of one stage; packed once per set of
+        batch arrays on the GPU (on the CPU the ops run here and no launch is returned)."""
         key = (stage, id(batch), *(id(getattr(batch, f)) for f in batch.__dataclass_fields__))
         hit = self._cache.get(key)
         if hit is not None:
@@ -151,11 +151,13 @@ class KvCanary:
                 out.append((self._names.index((stage, g, h, "write")), ops.prepare_write(
                     wctx, plan, batch.input_ids, batch.positions, loc,
                     expected_input_ids=batch.expected_input_ids, expected_positions=batch.expected_positions)))
-        if self.device is not None:  # host ops already ran; nothing to replay
-            self._cache = {k: v for k, v in self._cache.items() if k[0] != stage}  # one batch per stage
-            self._cache[key] = (out, [getattr(batch, f) for f in batch.__dataclass_fields__], batch)
-            return out
-        return [(i, None) for i, _ in out]
+        counted = np.array([i for i, _ in out if i is not None], np.int64)
+        if self.device is None:  # host ops already ran; nothing to replay
+            return [], counted
+        packed = ([launch for _, launch in out], counted)
+        self._cache = {k: v for k, v in self._cache.items() if k[0] != stage}  # one batch per stage
+        self._cache[key] = (packed, [getattr(batch, f) for f in batch.__dataclass_fields__], batch)
+        return packed
 
     def sweep(self, slots, positions, prev_slots, *, group: str = "FULL", stream=None) -> None:
         """Verify idle cached slots against the TAIL buffers with real KV (tags SWEEP_*).
@@ -180,7 +182,7 @@ class KvCanary:
             ops.verify(self.ctx["SWEEP", group, h, "verify"], plan, stream=None if self.device is None else s)
             self._expected[i] += 1
         if self.device is None:
-            self.poll(None)
+            self._report(None, advance=False)  # a sweep is not a step
 
     def _stage_sweep(self, host: dict, n: int, s: int) -> None:
         from . import memory
@@ -205,15 +207,21 @@ class KvCanary:
     def poll(self, stream=None) -> None:
         """Report what the newest completed snapshot shows, then snapshot again. Never waits on
         the device, except to read back ring rows after violations were seen."""
+        self._report(stream, advance=True)
+
+    def _report(self, stream, advance: bool) -> None:
         if self.device is not None and stream is not None:
             from . import memory
             if memory.is_capturing(stream, self.device):  # no event queries or copies in a capture
                 return
-        for snap, (step, expected) in self.pump.take((self.step, self._expected.copy())):
-            self._process(snap, expected, step)
+        meta = (self.step, self._expected.copy())
+        taken = self.pump.take(meta)
         if self.device is not None and stream is not None:
-            self.pump.snapshot(stream, (self.step, self._expected.copy()))
-        self.step += 1
+            self.pump.snapshot(stream, meta)  # ring reads below use a stream of their own
+        if advance:
+            self.step += 1
+        for snap, (step, expected) in taken:  # may raise in mode "raise", after the step advanced
+            self._process(snap, expected, step)
 
     def flush(self) -> None:
         """Wait for every snapshot and report it (shutdown and tests; this one does synchronise)."""

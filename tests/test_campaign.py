@@ -25,7 +25,8 @@ def reduced():
 
 def test_coverage_table_follows_faults_md():
     blind = {c for c in CLASSES if not coverage(c, "none")[0]}
-    assert blind == {"K6", "K7", "K9", "K10", "K12"}  # FAULTS.md's four, plus K9 (padding lanes carry no canary work)
+    # FAULTS.md's four, plus K9: padding lanes carry no canary work, a stray padding write changes bytes only
+    assert blind == {"K6", "K7", "K9", "K10", "K12"}
     assert all(coverage(c, m)[0] for c in CLASSES for m in ("partial", "all"))
 
 

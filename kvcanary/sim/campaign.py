@@ -6,7 +6,8 @@ or mode "raise" through CanaryViolationError) a violation that names one of the 
 involved slots at or after the step the fault landed; *missed* when the fault was really read
 (engine ground truth) and nothing was reported; *not exercised* when it never landed or was
 never read. Class x mode pairs that FAULTS.md says a mode cannot see are "not covered" and not
-run. Latency is counted in engine steps from the corruption to the first report.
+run. Latency is counted in engine steps from the corruption to the first report, and from the
+first read of the corrupted content to the first report (0: caught on the step that read it).
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ def run_injection(cls: str, mode: str, seed: int, *, backend: str = "cpu", repor
                 variant=fault.evidence.get("variant", ""), injected_step=fault.injected,
                 read_step=fault.read, report_step=hits[0]["step"] if hits else None,
                 latency=hits[0]["step"] - fault.injected if hits else None,
+                read_latency=max(0, hits[0]["step"] - fault.read) if hits and fault.read is not None else None,
                 violations=len(eng.violations), clean_violations=len(early), error=error,
                 first_report=hits[0] if hits else None, evidence=_jsonable(fault.evidence),
                 workload=dict(steps=eng.t, **eng.counts), config=asdict(cfg))
@@ -140,6 +142,7 @@ def _summary(rs: list[dict]) -> dict:
     return dict(injections=len(rs), detected=n["detected"], missed=n["missed"],
                 not_exercised=n["not_exercised"], rate=(n["detected"] / exercised) if exercised else None,
                 latency_max=max(lat) if lat else None, latency_mean=float(np.mean(lat)) if lat else None,
+                read_latency_max=max((r["read_latency"] for r in rs if r["outcome"] == "detected"), default=None),
                 clean_violations=sum(r["clean_violations"] for r in rs),
                 errors=sum(r["error"] is not None for r in rs),
                 variants=dict(Counter(r["variant"] for r in rs if r["variant"])))

@@ -62,7 +62,8 @@ class Engine:
         self.counts: Counter = Counter()  # what the workload exercised (prefix hits, drafts, ...)
         self.system_prompts = [self.rng.integers(1, cfg.vocab, int(self.rng.integers(8, 64)))
                                for _ in range(cfg.num_system_prompts)]
-        group = lambda pool, **kw: PoolGroup(N, k_sources=pool.sources("K"), v_sources=pool.sources("V"), **kw)  # noqa: E731
+        def group(pool, **kw):
+            return PoolGroup(N, k_sources=pool.sources("K"), v_sources=pool.sources("V"), **kw)
         swa = group(self.swa, window=cfg.swa_window, full_to_swa=self.map_dev if self.device is not None
                     else self.map) if self.swa else None
         self.kv = KvCanary(group(self.full), swa, device=self.device, hash_mode=hash_mode, mode=report,
@@ -136,7 +137,8 @@ class Engine:
                 return
             row = self.free_rows.pop()
             self._rid += 1
-            req = Req(self._rid, row, tokens, seq_keys(tokens), len(prompt), m, list(np.asarray(slots).tolist()), entry)
+            req = Req(self._rid, row, tokens, seq_keys(tokens), len(prompt), m,
+                      np.asarray(slots, np.int64).tolist(), entry)
             self.rtt[row, :m] = slots
             self.pool_tokens[row, :len(tokens)] = tokens
             np.add.at(self.cache.ref, np.asarray(slots, np.int64), 1)

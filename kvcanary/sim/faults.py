@@ -249,11 +249,15 @@ class K4(Fault):
             if eng.swa_key[new] == r.keys[p]:
                 return
             eng.map[s] = new
-            self.fire(eng, {"SWA": [new]}, {"SWA": np.append(near, new)}, variant="map names another request's SWA slot")
+            self.fire(eng, {"SWA": [new]}, {"SWA": np.append(near, new)},
+                      variant="map names another request's SWA slot")
         else:
             eng.cache.swa_free.append(old)
             self.victim = (old, near)
 
     def on_forward(self, eng, lanes):
-        if self.victim is not None and self.injected is None and (lanes.swa_out[:lanes.num_real] == self.victim[0]).any():
-            self.fire(eng, {"SWA": [self.victim[0]]}, {"SWA": self.victim[1]}, variant="SWA slot freed early and reused")
+        if self.victim is None or self.injected is not None:
+            return
+        if (lanes.swa_out[:lanes.num_real] == self.victim[0]).any():
+            self.fire(eng, {"SWA": [self.victim[0]]}, {"SWA": self.victim[1]},
+                      variant="SWA slot freed early and reused")

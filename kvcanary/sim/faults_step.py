@@ -99,7 +99,8 @@ class K11(Fault):
     def on_batch(self, eng, ln):
         if not self.active:
             return
-        picks = [i for i, r in enumerate(ln.reqs) if r.cached > 0 and len(r.tokens) - 1 - r.cached - ln.extend[i] >= 2]
+        picks = [i for i, r in enumerate(ln.reqs)
+                 if r.cached > 0 and len(r.tokens) - 1 - r.cached - ln.extend[i] >= 2]
         i = self.pick(picks)
         if i is None:
             return

@@ -121,10 +121,12 @@ def make_specs(layers: int, per_token: int, scales: bool, prefix: str = "") -> d
     specs = {}
     for half in "KV":
         for layer in range(layers):
-            specs[f"{half}{prefix}{layer}"] = (per_token, zlib.crc32(f"{half}{prefix}{layer}".encode()), False)
+            name = f"{half}{prefix}{layer}"
+            specs[name] = (per_token, zlib.crc32(name.encode()), False)
         if scales:
             for layer in range(layers):
-                specs[f"{half}S{prefix}{layer}"] = (SCALE_BYTES, zlib.crc32(f"{half}S{prefix}{layer}".encode()), True)
+                name = f"{half}S{prefix}{layer}"
+                specs[name] = (SCALE_BYTES, zlib.crc32(name.encode()), True)
     return specs
 
 

@@ -20,17 +20,21 @@ def format_table(result: dict, clean: list[dict] | None = None) -> str:
     modes, cells = result["modes"], result["cells"]
     lines = [f"kvcanary fault-injection campaign: backend {result['backend']}, {result['injections']} "
              f"injection(s) per class x mode, seed {result['seed']}, {result['seconds']} s",
-             f"{'class':<29}" + "".join(f"{m:<17}" for m in modes) + "latency (steps)"]
+             f"{'class':<29}" + "".join(f"{m:<17}" for m in modes) + "latency: fault / read -> report"]
     for c in result["classes"]:
         row = [cells[f"{c}/{m}"] for m in modes]
         lat = [x["latency_max"] for x in row if x.get("latency_max") is not None]
         means = [x["latency_mean"] for x in row if x.get("latency_mean") is not None]
-        lat_text = f"max {max(lat)}, mean {sum(means) / len(means):.1f}" if lat else "-"
+        reads = [x["read_latency_max"] for x in row if x.get("read_latency_max") is not None]
+        lat_text = f"max {max(lat)} mean {sum(means) / len(means):.1f} / max {max(reads)}" if lat else "-"
         lines.append(f"{c:<4} {result['titles'][c]:<24}" + "".join(f"{cell_text(x):<17}" for x in row) + lat_text)
     lines += ["cells: detected / exercised injections (the fault landed and was read); n.e. = never "
-              "read, not counted; latency: steps from the corruption to the first report.",
-              "not covered: " + ("; ".join(f"{k.replace('/', ' in ')}" for k, x in cells.items() if not x["covered"])
-                                 or "none") + " (identity-only mode hashes no KV bytes).",
+              "read, not counted.",
+              "latency in engine steps: from the corruption to the first report (max, mean), and from the "
+              "first read of the corrupted content to the first report (max; 0 = the step that read it).",
+              "not covered: " + ("; ".join(k.replace("/", " in ") for k, x in cells.items()
+                                           if not x["covered"]) or "none")
+              + " (identity-only mode hashes no KV bytes).",
               result["partial_note"] + "."]
     bad = [r for r in result["runs"] if r["clean_violations"] or r["error"]]
     if bad:

@@ -153,7 +153,8 @@ def lane_keys(ln: Lanes) -> np.ndarray:
     keys = ln.key.copy()
     for i, r in enumerate(ln.reqs):
         lo, n = int(ln.start[i]), int(ln.extend[i])
-        if (ln.tok[lo:lo + n] != ln.exp_tok[lo:lo + n]).any() or (ln.pos[lo:lo + n] != ln.exp_pos[lo:lo + n]).any():
+        span = slice(lo, lo + n)
+        if (ln.tok[span] != ln.exp_tok[span]).any() or (ln.pos[span] != ln.exp_pos[span]).any():
             c = int(ln.exp_pos[lo])
             k = int(r.keys[c - 1]) if c else 0
             for j in range(lo, lo + n):  # a changed token or position changes this and later content
