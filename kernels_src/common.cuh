@@ -87,75 +87,37 @@ __device__ __noinline__ void kvc_record(const P& p, long long slot, long long po
   __threadfence_system();
 }
 
-// What verifying one entry reads from the canary buffer. Loaded for several entries before any
-// of them is checked, so that a thread keeps all of their loads in flight together.
-struct KvcSlotLoad {
-  long long token, position;
-  uint64_t prev_hash, rkv;
-  uint64_t prev_chain;  // slot_hash(prev_slot) when the predecessor is an in-range slot
-};
-
-// The four fields of a slot: two 16-byte loads when the buffer allows them (the kernels only
-// read the canary buffer while verifying, so the read-only path is safe).
+// Verify one plan entry (SPEC §6 step 2-3).
 template <class P>
-__device__ __forceinline__ void kvc_fields(const P& p, long long slot, long long* f) {
-  const long long* base = kvc_slot(p, slot);
-  if ((p.slot_stride_words & 1) == 0 && (reinterpret_cast<unsigned long long>(p.canary) & 15) == 0) {
-    const longlong2 a = __ldg(reinterpret_cast<const longlong2*>(base));
-    const longlong2 b = __ldg(reinterpret_cast<const longlong2*>(base) + 1);
-    f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
-  } else {
-    f[0] = __ldg(base); f[1] = __ldg(base + 1); f[2] = __ldg(base + 2); f[3] = __ldg(base + 3);
-  }
-}
-
-template <class P>
-__device__ __forceinline__ KvcSlotLoad kvc_verify_load(const P& p, long long slot, long long prev_slot) {
-  KvcSlotLoad L = {0, 0, 0, 0, 0};
-  if (slot <= 0 || slot >= p.num_slots) return L;
-  long long f[4];
-  kvc_fields(p, slot, f);
-  L.token = f[KVC_FIELD_TOKEN];
-  L.position = f[KVC_FIELD_POSITION];
-  L.prev_hash = (uint64_t)f[KVC_FIELD_PREV_HASH];
-  L.rkv = (uint64_t)f[KVC_FIELD_REAL_KV_HASH];
-  if (prev_slot > 0 && prev_slot < p.num_slots) {
-    long long g[4];
-    kvc_fields(p, prev_slot, g);
-    L.prev_chain = kvc_mix3((uint64_t)g[KVC_FIELD_PREV_HASH], (uint64_t)g[KVC_FIELD_TOKEN],
-                            (uint64_t)g[KVC_FIELD_POSITION]);
-  }
-  return L;
-}
-
-// Check one plan entry (SPEC §6 steps 2-3) given what kvc_verify_load read for it.
-template <class P>
-__device__ __forceinline__ void kvc_verify_check(const P& p, long long slot, long long expected_token,
+__device__ __forceinline__ void kvc_verify_entry(const P& p, long long slot, long long expected_token,
                                                  long long expected_position, long long prev_slot,
-                                                 bool check_expected_token, const KvcSlotLoad& L) {
+                                                 bool check_expected_token) {
   if (slot == KVC_PADDING_SLOT) return;
   if (slot < 0 || slot >= p.num_slots) {
     kvc_record(p, slot, expected_position, 0, KVC_NO_EXPECTED_TOKEN, 0, 0, KVC_SLOT_OUT_OF_RANGE);
     return;
   }
+  const long long* f = kvc_slot(p, slot);
+  const long long token = f[KVC_FIELD_TOKEN], position = f[KVC_FIELD_POSITION];
+  const uint64_t prev_hash = (uint64_t)f[KVC_FIELD_PREV_HASH], rkv = (uint64_t)f[KVC_FIELD_REAL_KV_HASH];
   long long bits = 0;
-  uint64_t expected_chain = L.prev_hash;
+  uint64_t expected_chain = prev_hash;
   if (prev_slot < 0) {
     expected_chain = kvc_sm(KVC_ANCHOR);
   } else if (prev_slot >= p.num_slots) {
     expected_chain = 0;
     bits |= KVC_VERIFY_CHAIN_HASH_MISMATCH | KVC_SLOT_OUT_OF_RANGE;
   } else if (prev_slot != KVC_PADDING_SLOT) {
-    expected_chain = L.prev_chain;
+    expected_chain = kvc_slot_hash(p, prev_slot);
   }
-  if (L.prev_hash != expected_chain) bits |= KVC_VERIFY_CHAIN_HASH_MISMATCH;
-  if (L.position != expected_position) bits |= KVC_VERIFY_POSITION_MISMATCH;
-  if (L.rkv != kvc_fingerprint(p, slot)) bits |= KVC_VERIFY_REAL_KV_HASH_MISMATCH;
-  if (check_expected_token && expected_token != KVC_NO_EXPECTED_TOKEN && L.token != expected_token)
+  if (prev_hash != expected_chain) bits |= KVC_VERIFY_CHAIN_HASH_MISMATCH;
+  if (position != expected_position) bits |= KVC_VERIFY_POSITION_MISMATCH;
+  if (rkv != kvc_fingerprint(p, slot)) bits |= KVC_VERIFY_REAL_KV_HASH_MISMATCH;
+  if (check_expected_token && expected_token != KVC_NO_EXPECTED_TOKEN && token != expected_token)
     bits |= KVC_VERIFY_TOKEN_MISMATCH;
   if (bits)
-    kvc_record(p, slot, L.position, L.token, check_expected_token ? expected_token : KVC_NO_EXPECTED_TOKEN,
-               L.prev_hash, expected_chain, bits);
+    kvc_record(p, slot, position, token, check_expected_token ? expected_token : KVC_NO_EXPECTED_TOKEN,
+               prev_hash, expected_chain, bits);
 }
 
 // ---- the engine's batch (SPEC §8) ------------------------------------------------------------
