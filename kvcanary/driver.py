@@ -61,6 +61,15 @@ def device_count() -> int:
     return int(check(_driver().cuDeviceGetCount(), "cuDeviceGetCount"))
 
 
+def unavailable_reason() -> str | None:
+    """None when at least one CUDA device answers, else why not (for skipping GPU work cleanly)."""
+    from .errors import KvCanaryError
+    try:
+        return None if device_count() > 0 else "no CUDA device"
+    except KvCanaryError as exc:
+        return str(exc).splitlines()[0][:200]
+
+
 def driver_version() -> int:
     init()
     return int(check(_driver().cuDriverGetVersion(), "cuDriverGetVersion"))

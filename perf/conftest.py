@@ -27,14 +27,8 @@ ROWS: list[dict] = []
 
 @functools.lru_cache(maxsize=None)
 def gpu_unavailable_reason() -> str | None:
-    import kvcanary
     from kvcanary import driver
-    try:
-        if driver.device_count() < 1:
-            return "no CUDA device"
-    except kvcanary.KvCanaryError as exc:
-        return str(exc).splitlines()[0][:160]
-    return None
+    return driver.unavailable_reason()
 
 
 @pytest.fixture(scope="session")

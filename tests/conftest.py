@@ -10,14 +10,8 @@ import pytest
 
 @functools.lru_cache(maxsize=None)
 def gpu_unavailable_reason() -> str | None:
-    import kvcanary
     from kvcanary import driver
-    try:
-        if driver.device_count() < 1:
-            return "no CUDA device"
-    except kvcanary.KvCanaryError as exc:
-        return str(exc).splitlines()[0][:200]
-    return None
+    return driver.unavailable_reason()
 
 
 def pytest_collection_modifyitems(config, items):

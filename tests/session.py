@@ -47,6 +47,27 @@ class Session:
 
     def step(self, work, *, corrupt=None):
         """work: list of (row, new token ids). Runs HEAD, the forward (KV writes), TAIL."""
+        arrays = self.plan_step(work, corrupt=corrupt)
+        B = self._dev
+        swa_loc = self.swa_map[arrays["loc"]]
+        batch = kc.Batch(B(arrays["rows"]), B(arrays["prefix"]), B(arrays["extend"]), B(self.rtt.copy()),
+                         B(arrays["ids"]), B(arrays["pos"]), B(arrays["loc"]), swa_out_cache_loc=B(swa_loc))
+        self.canary.before_forward(batch)
+        self.forward(arrays)
+        self.canary.after_forward(batch)
+        self.step_no += 1
+        return batch
+
+    def forward(self, arrays):
+        """The model's forward: the new tokens' K and V bytes land in the pools."""
+        for t, p_, s in zip(arrays["ids"], arrays["pos"], arrays["loc"]):
+            for layer in range(2):
+                self.k[layer][s] = self._kv(t, p_, layer)
+                self.v[layer][s] = self._kv(t, p_, layer + 7)
+        self.sync_pools()
+
+    def plan_step(self, work, *, corrupt=None) -> dict:
+        """The engine's bookkeeping of one step: slots from the free list, req_to_token, lengths."""
         rows, prefix, extend, ids, pos, loc = [], [], [], [], [], []
         for row, new in work:
             p = self.lens.get(row, 0)
@@ -62,19 +83,7 @@ class Session:
                       pos=np.array(pos, np.int64), loc=np.array(loc, np.int64))
         if corrupt:
             corrupt(self, arrays)
-        B = self._dev
-        swa_loc = self.swa_map[arrays["loc"]]
-        batch = kc.Batch(B(arrays["rows"]), B(arrays["prefix"]), B(arrays["extend"]), B(self.rtt.copy()),
-                         B(arrays["ids"]), B(arrays["pos"]), B(arrays["loc"]), swa_out_cache_loc=B(swa_loc))
-        self.canary.before_forward(batch)
-        for t, p_, s in zip(arrays["ids"], arrays["pos"], arrays["loc"]):  # the "forward"
-            for layer in range(2):
-                self.k[layer][s] = self._kv(t, p_, layer)
-                self.v[layer][s] = self._kv(t, p_, layer + 7)
-        self.sync_pools()
-        self.canary.after_forward(batch)
-        self.step_no += 1
-        return batch
+        return arrays
 
     def sync_pools(self):
         if self.device is not None:

@@ -99,21 +99,7 @@ def test_session_replayed_from_cuda_graphs_equals_eager():
         rtt.copy_(torch.from_numpy(g.rtt))
 
     def step(work, corrupt=None):
-        # the same bookkeeping as Session.step, but the canary runs from captured graphs
-        rows, prefix, extend, ids, pos, loc = [], [], [], [], [], []
-        for row, new in work:
-            p = g.lens.get(row, 0)
-            rows.append(row); prefix.append(p); extend.append(len(new))
-            for j, t in enumerate(new):
-                sl = g.free.pop(0)
-                g.rtt[row, p + j] = sl
-                ids.append(t); pos.append(p + j); loc.append(sl)
-            g.lens[row] = p + len(new)
-            g.tokens.setdefault(row, []).extend(new)
-        arrays = {k: np.array(v, np.int64) for k, v in
-                  dict(rows=rows, prefix=prefix, extend=extend, ids=ids, pos=pos, loc=loc).items()}
-        if corrupt:
-            corrupt(g, arrays)
+        arrays = g.plan_step(work, corrupt=corrupt)  # the canary runs from captured graphs
         fill(arrays)
         torch.cuda.synchronize()
         if not graphs:
@@ -130,12 +116,8 @@ def test_session_replayed_from_cuda_graphs_equals_eager():
                 g.canary.after_forward(batch)
             g.canary._expected[:] = 0
         graphs["HEAD"].replay()
-        for t, p_, sl in zip(arrays["ids"], arrays["pos"], arrays["loc"]):
-            for layer in range(2):
-                g.k[layer][sl] = g._kv(t, p_, layer)
-                g.v[layer][sl] = g._kv(t, p_, layer + 7)
         torch.cuda.synchronize()
-        g.sync_pools()
+        g.forward(arrays)
         graphs["TAIL"].replay()
         g.canary.record_replay()
         g.canary.poll(torch.cuda.current_stream().cuda_stream)
