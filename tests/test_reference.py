@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcanary.abi import ANCHOR, FailReason, LaunchTag
+from kvcanary.abi import FailReason, LaunchTag
 from kvcanary.hashing import mix3, sm, to_i64
 from kvcanary.reference import RefSource, fingerprint, ring_append, slot_hash, verify, write
 

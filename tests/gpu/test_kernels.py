@@ -8,7 +8,6 @@ import threading
 import numpy as np
 import pytest
 
-import kvcanary as kc
 from kvcanary import abi, driver, memory
 from tests import workloads
 
