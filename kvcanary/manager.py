@@ -184,6 +184,17 @@ class KvCanary:
         if self.device is None:
             self._report(None, advance=False)  # a sweep is not a step
 
+    def sweep_chains(self, chains, *, group: str = "FULL", stream=None) -> None:
+        """:meth:`sweep` over node chains: each chain lists the slots of positions 0, 1, ... of one
+        cached sequence (e.g. a radix-tree path from the root)."""
+        slots, positions, prev = [], [], []
+        for chain in chains:
+            chain = [int(x) for x in chain]
+            slots += chain
+            positions += range(len(chain))
+            prev += [-1] + chain[:-1]
+        self.sweep(slots, positions, prev, group=group, stream=stream)
+
     def _stage_sweep(self, host: dict, n: int, s: int) -> None:
         from . import memory
         plan = self.plans["SWEEP"]

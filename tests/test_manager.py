@@ -135,3 +135,16 @@ def test_export_to_file(tmp_path):
     c.reporter.export.close()
     lines = path.read_text().splitlines()
     assert lines and '"type": "stats"' in lines[-1]
+
+
+def test_sweep_chains_walks_radix_paths():
+    s = Session(hash_mode="partial")
+    s.script()
+    paths = [s.rtt[2, :s.lens[2]], s.rtt[3, :s.lens[3]]]  # C shares A's first 6 slots
+    s.canary.sweep_chains(paths)
+    assert violations(s.records) == []
+    s.rtt[3, 2], s.rtt[3, 3] = s.rtt[3, 3], s.rtt[3, 2]  # two slots swapped in a cached path
+    s.canary.sweep_chains([s.rtt[3, :s.lens[3]]])
+    recs = violations(s.records)
+    assert recs and {r["launch_tag"] for r in recs} <= {"SWEEP_K_FULL", "SWEEP_V_FULL"}
+    assert all({"verify_position", "verify_chain_hash"} & set(r["fail_reason"]) for r in recs)
