@@ -2,8 +2,9 @@
 serving engine guarded by a KvCanary and print what the canary caught, class x hash mode.
 
 Runs on the GPU when the CUDA driver finds one (``--backend auto``), else on the CPU reference
-backend; the default run takes well under a minute on a 2-core CPU machine. ``--out DIR`` also
-writes ``campaign.json`` and, with matplotlib installed, ``campaign.png``.
+backend; the default run takes well under a minute on a 2-core CPU machine. ``--jobs N`` runs the
+independent injections (and N clean runs that share the clean-run slot count) in N spawned worker
+processes. ``--out DIR`` also writes ``campaign.json`` and, with matplotlib installed, ``campaign.png``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", choices=("log", "raise"), default="log",
                    help="how violations reach the campaign: export callback or CanaryViolationError")
     p.add_argument("--progress", choices=("auto", "on", "off"), default="auto")
+    p.add_argument("--jobs", type=int, default=1, metavar="N",
+                   help="worker processes for the injections and the clean run (default 1: none; "
+                        "0: one per CPU)")
 
 
 def pick_backend(choice: str) -> str:
@@ -54,16 +58,19 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     from .sim import campaign, report
     from .sim.faults import CLASSES, MODES
     classes, modes = _split(args.classes, CLASSES, "classes"), _split(args.modes, MODES, "modes")
+    if args.jobs < 0:
+        raise SystemExit(f"kv-canary: --jobs takes a worker count >= 0 (0: one per CPU), got {args.jobs}")
+    jobs = campaign.resolve_jobs(args.jobs)
     backend = pick_backend(args.backend)
     progress = report.Progress(None if args.progress == "auto" else args.progress == "on")
     print(f"kvcanary demo: {len(classes)} class(es) x {len(modes)} mode(s), {args.injections} injection(s) "
-          f"each, backend {backend}", file=out, flush=True)
+          f"each, backend {backend}" + (f", {jobs} worker processes" if jobs > 1 else ""), file=out, flush=True)
     result = campaign.run_campaign(classes, modes, args.injections, backend=backend, seed=args.seed,
-                                   report=args.report, progress=progress)
+                                   report=args.report, progress=progress, jobs=jobs)
     clean = []
     if args.clean_slots > 0:
         clean.append(campaign.clean_run(args.clean_slots, hash_mode=modes[-1], backend=backend,
-                                        seed=args.seed, progress=progress))
+                                        seed=args.seed, progress=progress, jobs=jobs))
     print(report.format_table(result, clean), file=out)
     if args.out:
         files = [report.write_json(result, clean, os.path.join(args.out, "campaign.json"))]

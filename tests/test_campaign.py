@@ -4,6 +4,7 @@ the pairs a mode cannot see are marked "not covered"; clean runs report nothing.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -11,9 +12,10 @@ import sys
 
 import pytest
 
+from kvcanary import demo
 from kvcanary.sim import campaign
 from kvcanary.sim.faults import CLASSES, MODES, coverage
-from kvcanary.sim.report import format_table, passed
+from kvcanary.sim.report import format_table, passed, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -75,9 +77,11 @@ def test_clean_run_verifies_a_million_slots_without_false_positives():
     assert w["finished"] and w["prefix_hit_tokens"] and w["drafts_rejected"] and w["swept_slots"], w
 
 
-def test_demo_cli_runs_with_tiny_flags(tmp_path):
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_demo_cli_runs_with_tiny_flags(tmp_path, jobs):
     cmd = [sys.executable, "-m", "kvcanary", "demo", "--injections", "1", "--classes", "K3,K9,K12",
-           "--modes", "none,partial", "--backend", "cpu", "--clean-slots", "20000", "--out", str(tmp_path)]
+           "--modes", "none,partial", "--backend", "cpu", "--clean-slots", "20000", "--out", str(tmp_path),
+           "--jobs", str(jobs)]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -85,6 +89,80 @@ def test_demo_cli_runs_with_tiny_flags(tmp_path):
     data = json.loads((tmp_path / "campaign.json").read_text())
     assert data["cells"]["K9/none"]["covered"] is False and data["cells"]["K3/none"]["covered"] is True
     assert data["clean_runs"][0]["false_positives"] == 0
+    assert data["clean_runs"][0].get("runs", 1) == jobs        # --jobs reaches the clean run too
+
+
+def test_parallel_campaign_matches_the_serial_one():
+    # A class with an uncovered mode (K9/none) checks that cells are assembled in the serial order.
+    classes, modes = ["K1", "K9", "K12"], ["none", "partial"]
+    serial = campaign.run_campaign(classes, modes, injections=2, seed=11)
+    seen = []
+    parallel = campaign.run_campaign(classes, modes, injections=2, seed=11, jobs=2,
+                                     progress=lambda done, total, label: seen.append((done, total)))
+    assert parallel["cells"] == serial["cells"]
+    assert parallel["runs"] == serial["runs"]          # outcomes, latencies, seeds, evidence, in order
+    assert [r["seed"] for r in parallel["runs"]] == [
+        campaign.seed_for(11, c, m, i) for c in classes for m in modes if coverage(c, m)[0] for i in range(2)]
+    total = len(serial["runs"])
+    assert seen == [(k, total) for k in range(1, total + 1)]   # advanced once per injection, in the parent
+    assert {k: v for k, v in parallel.items() if k != "seconds"} == {k: v for k, v in serial.items()
+                                                                     if k != "seconds"}
+
+
+def test_worker_failures_are_raised_not_dropped():
+    # An injection that cannot even build its engine raises in the serial run; in a worker it must
+    # raise too (same exception, naming the injection), not come back as a shorter campaign.
+    with pytest.raises(Exception) as serial:
+        campaign.run_campaign(["K3"], ["partial"], injections=2, report="bogus")
+    with pytest.raises(type(serial.value)) as parallel:
+        campaign.run_campaign(["K3"], ["partial"], injections=2, report="bogus", jobs=2)
+    assert str(parallel.value) == str(serial.value)
+    assert any("injection K3 partial seed" in note for note in parallel.value.__notes__)
+
+
+def test_parallel_clean_run_merges_its_runs(tmp_path):
+    min_verified, jobs = 60_000, 2
+    single = campaign.clean_run(min_verified, hash_mode="all", seed=3)
+    merged = campaign.clean_run(min_verified, hash_mode="all", seed=3, jobs=jobs)
+    assert set(merged) == set(single) | {"runs"} and merged["runs"] == jobs
+    assert merged["verified_slots"] >= min_verified and merged["steps"] >= jobs
+    assert merged["false_positives"] == 0 and merged["first_false_positives"] == []
+    assert merged["protected_tokens"] > 0 and merged["workload"]["requests"] > 0
+    # the demo's reporting takes the merged dict like a single run's
+    assert passed({"cells": {}}, [merged]) and "over 2 runs" in format_table(
+        campaign.run_campaign(["K3"], ["partial"], injections=1), [merged])
+    write_json({}, [merged], str(tmp_path / "c.json"))
+    data = json.loads((tmp_path / "c.json").read_text())
+    assert data["clean_runs"][0]["runs"] == jobs
+
+
+def test_merge_clean_runs_sums_counts_and_keeps_five_false_positives():
+    def run(fps, steps, **workload):
+        return dict(hash_mode="all", backend="cpu", steps=steps, verified_slots=10 * steps,
+                    protected_tokens=steps, false_positives=len(fps), first_false_positives=fps[:5],
+                    workload=workload, seconds=1.0)
+    a = run([{"slot": i} for i in range(4)], 3, requests=2, finished=1)
+    b = run([{"slot": 10 + i} for i in range(3)], 5, requests=1, swept_slots=7)
+    m = campaign.merge_clean_runs([a, b], seeds=[7, 8])
+    assert (m["steps"], m["verified_slots"], m["protected_tokens"]) == (8, 80, 8)
+    assert (m["false_positives"], m["runs"]) == (7, 2)
+    assert m["workload"] == {"requests": 3, "finished": 1, "swept_slots": 7}
+    assert [(v["slot"], v["run_seed"]) for v in m["first_false_positives"]] == [
+        (0, 7), (1, 7), (2, 7), (3, 7), (10, 8)]      # run order, the first five
+    assert not passed({"cells": {}}, [m])
+
+
+def test_jobs_flag():
+    p = argparse.ArgumentParser()
+    demo.add_arguments(p)
+    assert p.parse_args([]).jobs == 1
+    assert p.parse_args(["--jobs", "4"]).jobs == 4
+    assert p.parse_args(["--jobs", "0"]).jobs == 0
+    assert campaign.resolve_jobs(0) == (os.cpu_count() or 1) and campaign.resolve_jobs(3) == 3
+    with pytest.raises(ValueError):
+        campaign.resolve_jobs(-1)
+    with pytest.raises(SystemExit, match="--jobs"):
+        demo.run(p.parse_args(["--jobs", "-2"]))
 
 
 @pytest.mark.gpu

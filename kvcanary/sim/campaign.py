@@ -8,14 +8,22 @@ involved slots at or after the step the fault landed; *missed* when the fault wa
 never read. Class x mode pairs that FAULTS.md says a mode cannot see are "not covered" and not
 run. Latency is counted in engine steps from the corruption to the first report, and from the
 first read of the corrupted content to the first report (0: caught on the step that read it).
+
+Injections are independent and fully determined by their seed, so ``jobs > 1`` runs them in
+spawned worker processes (the campaign is bound by host Python, not by the device; spawn, not
+fork, because a CUDA context does not survive a fork) and gives the same records in the same order.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import multiprocessing
+import os
 import time
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, replace
 
 import numpy as np
@@ -109,24 +117,91 @@ def seed_for(seed: int, cls: str, mode: str, i: int) -> int:
     return int(np.random.SeedSequence([seed, CLASSES.index(cls), MODES.index(mode), i]).generate_state(1)[0])
 
 
+def resolve_jobs(jobs: int) -> int:
+    """Worker processes for ``jobs``: 0 means one per CPU, 1 means run in this process."""
+    if jobs == 0:
+        return os.cpu_count() or 1
+    if jobs < 0:
+        raise ValueError(f"kv-canary: jobs must be >= 0 (0: one per CPU), got {jobs}")
+    return jobs
+
+
+def _pool(workers: int) -> ProcessPoolExecutor:
+    # spawn: a forked child would inherit a CUDA context it cannot use
+    return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
+
+
+def _gather(pool: ProcessPoolExecutor, futures: dict, on_result) -> None:
+    """Wait for ``futures`` (future -> label) in completion order and hand each result to
+    ``on_result(future, result)``. A task that raised (or a worker that died) aborts the whole
+    run with that exception, its label noted, after cancelling what has not started."""
+    try:
+        for f in as_completed(futures):
+            try:
+                result = f.result()
+            except Exception as exc:
+                exc.add_note(f"kv-canary: raised in the worker process running {futures[f]}")
+                raise
+            on_result(f, result)
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+
+
+def _run_tasks(tasks: list[tuple[str, str, int]], *, backend: str, report: str, jobs: int,
+               progress) -> list[dict]:
+    """``run_injection`` for each ``(cls, mode, seed)``, records in task order."""
+    total = len(tasks)
+    if jobs <= 1 or total <= 1:
+        records = []
+        for c, m, s in tasks:
+            records.append(run_injection(c, m, s, backend=backend, report=report))
+            if progress:
+                progress(len(records), total, f"{c} {m}")
+        return records
+    # One task per injection: the pool's cost per task (well under a millisecond) is small next to
+    # an injection's (tenths of a second), and cells differ in cost, so fine-grained tasks keep
+    # every worker busy up to the end. Only ~jobs tasks are in the pipe to the workers at a time.
+    records: list = [None] * total
+    done = 0
+
+    def collect(f, record):
+        nonlocal done
+        k = index[f]
+        records[k], done = record, done + 1
+        if progress:
+            progress(done, total, f"{tasks[k][0]} {tasks[k][1]}")
+
+    with _pool(min(jobs, total)) as pool:
+        index = {pool.submit(run_injection, c, m, s, backend=backend, report=report): k
+                 for k, (c, m, s) in enumerate(tasks)}
+        _gather(pool, {f: "injection {} {} seed {}".format(*tasks[k]) for f, k in index.items()}, collect)
+    missing = [tasks[k] for k, r in enumerate(records) if r is None]
+    if missing:  # cannot happen unless a future was lost; never report a short campaign as complete
+        raise RuntimeError(f"kv-canary: {len(missing)} injection(s) returned no record, e.g. {missing[0]}")
+    return records
+
+
 def run_campaign(classes=CLASSES, modes=MODES, injections: int = 3, *, backend: str = "cpu",
-                 seed: int = 0, report: str = "log", progress=None) -> dict:
+                 seed: int = 0, report: str = "log", progress=None, jobs: int = 1) -> dict:
     """Every class x mode: ``injections`` seeded injections (covered pairs only); returns a dict
-    with one cell per pair (counts, rate, latency, variants) and every injection's record."""
-    jobs = [(c, m) for c in classes for m in modes if coverage(c, m)[0]]
-    total, done, t0 = len(jobs) * injections, 0, time.perf_counter()
+    with one cell per pair (counts, rate, latency, variants) and every injection's record.
+
+    ``jobs`` > 1 runs the injections in that many spawned worker processes (0: one per CPU); the
+    result is the same as with ``jobs=1``. A worker re-imports the ``__main__`` module, so a script
+    calling this with ``jobs`` > 1 needs an ``if __name__ == "__main__":`` guard."""
+    jobs = resolve_jobs(jobs)
+    pairs = [(c, m) for c in classes for m in modes if coverage(c, m)[0]]
+    tasks = [(c, m, seed_for(seed, c, m, i)) for c, m in pairs for i in range(injections)]
+    t0 = time.perf_counter()
+    records = iter(_run_tasks(tasks, backend=backend, report=report, jobs=jobs, progress=progress))
     cells, runs = {}, []
     for c in classes:
         for m in modes:
             covered, why = coverage(c, m)
             cell = dict(covered=covered, note=why)
             if covered:
-                rs = []
-                for i in range(injections):
-                    rs.append(run_injection(c, m, seed_for(seed, c, m, i), backend=backend, report=report))
-                    done += 1
-                    if progress:
-                        progress(done, total, f"{c} {m}")
+                rs = [next(records) for _ in range(injections)]
                 cell.update(_summary(rs))
                 runs += rs
             cells[f"{c}/{m}"] = cell
@@ -158,9 +233,17 @@ def clean_config(seed: int = 0, **overrides) -> SimConfig:
 
 
 def clean_run(min_verified: int = 10**6, *, hash_mode: str = "all", backend: str = "cpu", seed: int = 0,
-              max_steps: int = 10_000, progress=None, **overrides) -> dict:
+              max_steps: int = 10_000, progress=None, jobs: int = 1, **overrides) -> dict:
     """Run a clean engine until the canary verified ``min_verified`` slots; every violation is a
-    false positive."""
+    false positive.
+
+    ``jobs`` > 1 (0: one per CPU) instead runs that many clean engines with seeds ``seed``,
+    ``seed + 1``, ... in spawned worker processes, each until ceil(min_verified / jobs) verified
+    slots, and merges them (see ``merge_clean_runs``)."""
+    jobs = resolve_jobs(jobs)
+    if jobs > 1:
+        return _parallel_clean_run(min_verified, jobs, hash_mode=hash_mode, backend=backend, seed=seed,
+                                   max_steps=max_steps, progress=progress, **overrides)
     eng = Engine(clean_config(seed, **overrides), hash_mode=hash_mode, backend=backend)
     t0 = time.perf_counter()
     while eng.t < max_steps:
@@ -176,3 +259,48 @@ def clean_run(min_verified: int = 10**6, *, hash_mode: str = "all", backend: str
                 protected_tokens=s["protected_tokens"], false_positives=len(eng.violations),
                 first_false_positives=eng.violations[:5], workload=dict(eng.counts),
                 seconds=round(time.perf_counter() - t0, 2))
+
+
+def _parallel_clean_run(min_verified: int, jobs: int, *, hash_mode: str, backend: str, seed: int,
+                        max_steps: int, progress, **overrides) -> dict:
+    each = math.ceil(min_verified / jobs)
+    results: list = [None] * jobs
+    verified = 0
+    t0 = time.perf_counter()
+
+    def collect(f, r):
+        nonlocal verified
+        results[index[f]] = r
+        verified += r["verified_slots"]
+        if progress:
+            progress(min(verified, min_verified), min_verified, f"clean {hash_mode}")
+
+    if progress:
+        progress(0, min_verified, f"clean {hash_mode}")
+    with _pool(jobs) as pool:
+        index = {pool.submit(clean_run, each, hash_mode=hash_mode, backend=backend, seed=seed + i,
+                             max_steps=max_steps, **overrides): i for i in range(jobs)}
+        _gather(pool, {f: f"clean run seed {seed + i}" for f, i in index.items()}, collect)
+    merged = merge_clean_runs(results, seeds=[seed + i for i in range(jobs)])
+    merged["seconds"] = round(time.perf_counter() - t0, 2)
+    return merged
+
+
+def merge_clean_runs(runs: list[dict], seeds: list[int] | None = None) -> dict:
+    """One clean-run dict from several (same keys as ``clean_run`` plus ``runs``): counts summed,
+    the first five false positives kept in run order (each tagged with its run's seed when
+    ``seeds`` is given, so it can be replayed), workload counters added up, ``seconds`` the
+    longest run's (the caller overwrites it with the wall time)."""
+    first, workload = [], {}
+    for i, r in enumerate(runs):
+        for v in r["first_false_positives"]:
+            if len(first) < 5:
+                first.append(v if seeds is None else {**v, "run_seed": seeds[i]})
+        for k, n in r["workload"].items():
+            workload[k] = workload.get(k, 0) + n
+    keys = ("steps", "verified_slots", "protected_tokens", "false_positives")
+    sums = {k: sum(r[k] for r in runs) for k in keys}
+    return dict(hash_mode=runs[0]["hash_mode"], backend=runs[0]["backend"], steps=sums["steps"],
+                verified_slots=sums["verified_slots"], protected_tokens=sums["protected_tokens"],
+                false_positives=sums["false_positives"], first_false_positives=first, workload=workload,
+                seconds=max(r["seconds"] for r in runs), runs=len(runs))

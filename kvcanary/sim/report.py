@@ -42,7 +42,8 @@ def format_table(result: dict, clean: list[dict] | None = None) -> str:
     for c in clean or []:
         lines.append(f"clean run ({c['hash_mode']}): {c['verified_slots']:,} verified slots, "
                      f"{c['protected_tokens']:,} protected tokens, {c['false_positives']} false positive(s), "
-                     f"{c['steps']} steps, {c['seconds']} s")
+                     f"{c['steps']} steps" + (f" over {c['runs']} runs" if c.get("runs", 1) > 1 else "")
+                     + f", {c['seconds']} s")
     return "\n".join(lines)
 
 
