@@ -26,9 +26,16 @@ PER_THREAD_STREAM = 0x2
 _CONTEXT_ERRORS = (201, 400, 709)  # INVALID_CONTEXT, INVALID_HANDLE, CONTEXT_IS_DESTROYED
 
 
+_module = None  # cuda.bindings.driver once imported
+
+
 def _driver():
-    from cuda.bindings import driver
-    return driver
+    """cuda.bindings.driver, imported on first use (importing it does not initialise CUDA)."""
+    global _module
+    if _module is None:
+        from cuda.bindings import driver
+        _module = driver
+    return _module
 
 
 def check(result, operation: str, hint: str = ""):
@@ -123,6 +130,13 @@ class DeviceRuntime:
         finally:
             self.leave(pushed)
 
+    def cu_stream(self, stream: int):
+        """The CUstream object of a raw handle, built once per handle (building one costs ~1 us)."""
+        s = self._streams.get(stream)
+        if s is None:
+            s = self._streams.setdefault(stream, _driver().CUstream(stream))
+        return s
+
     def launch(self, name: str, grid: int, block: int, args_address: int, stream: int) -> None:
         """Launch ``name`` with a prepacked ``void*[1]`` at ``args_address`` on ``stream``.
 
@@ -130,24 +144,56 @@ class DeviceRuntime:
         current only if the driver refuses (no or another context current). With several
         devices the current context is checked before every launch.
         """
-        d = _driver()
-        fn = self.functions[name]
-        s = self._streams.get(stream)
-        if s is None:
-            s = self._streams.setdefault(stream, d.CUstream(stream))
+        fn, s = self.functions[name], self.cu_stream(stream)
         if self.sole:
-            (err,) = d.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, s, args_address, 0)
-            if int(err) == 0:
+            (err,) = _driver().cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, s, args_address, 0)
+            if not err:
                 return
-            if int(err) not in _CONTEXT_ERRORS:
-                raise DriverError(f"cuLaunchKernel({name}, grid={grid}, block={block})", err.name)
+            self._raise_unless_context_error(err, name, grid, block)
+        self._launch_in_context(fn, name, grid, block, s, args_address)
+
+    def launcher(self, name: str, grid: int, block: int, args_address: int):
+        """:meth:`launch` bound to one prepacked pointer array: a function ``f(stream)``. On a
+        single-device machine its fast path is a dict lookup and one cuLaunchKernel (resolved
+        now), with the same fallback on a context error; otherwise it calls :meth:`launch`."""
+        if not self.sole:
+            return lambda stream: self.launch(name, grid, block, args_address, stream)
+        fn, cu_launch, streams = self.functions[name], _driver().cuLaunchKernel, self._streams
+
+        def launch(stream: int) -> None:
+            s = streams.get(stream)
+            if s is None:
+                s = self.cu_stream(stream)
+            (err,) = cu_launch(fn, grid, 1, 1, block, 1, 1, 0, s, args_address, 0)
+            if err:
+                self._raise_unless_context_error(err, name, grid, block)
+                self._launch_in_context(fn, name, grid, block, s, args_address)
+        return launch
+
+    def _raise_unless_context_error(self, err, name: str, grid: int, block: int) -> None:
+        if int(err) not in _CONTEXT_ERRORS:
+            raise DriverError(f"cuLaunchKernel({name}, grid={grid}, block={block})", err.name)
+
+    def _launch_in_context(self, fn, name: str, grid: int, block: int, s, args_address: int) -> None:
         pushed = self.enter()
         try:
-            (err,) = d.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, s, args_address, 0)
+            (err,) = _driver().cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, s, args_address, 0)
         finally:
             self.leave(pushed)
         if int(err) != 0:
             raise DriverError(f"cuLaunchKernel({name}, grid={grid}, block={block})", err.name)
+
+    def capturing(self, stream: int) -> bool:
+        """Whether ``stream`` is being captured into a CUDA graph (any status but NONE). One
+        cuStreamIsCapturing; the context is made current only if the driver asks for it."""
+        d, s = _driver(), self._streams.get(stream)
+        if s is None:
+            s = self.cu_stream(stream)
+        if self.sole:
+            err, status = d.cuStreamIsCapturing(s)
+            if not err:
+                return bool(status)  # CU_STREAM_CAPTURE_STATUS_NONE is 0
+        return bool(check(self.call(d.cuStreamIsCapturing, s), "cuStreamIsCapturing"))
 
     def launch_struct(self, name: str, grid: int, block: int, params: ctypes.Structure, stream: int) -> None:
         expected = abi.CTYPES[abi.KERNELS[name]]

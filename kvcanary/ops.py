@@ -25,18 +25,21 @@ class Launch:
 
     Holds the params struct and its pointer array, so both outlive every launch of it. Pointers
     inside are fixed: replay only while the arrays it was built from are alive and unchanged.
+    ``go(stream)`` is the bound launch (``DeviceRuntime.launcher``): hot loops call it directly.
+    Fields of ``params`` may be changed between launches (cuLaunchKernel copies the struct).
     """
 
-    __slots__ = ("rt", "name", "grid", "block", "params", "_ptrs", "address", "stream", "keep")
+    __slots__ = ("rt", "name", "grid", "block", "params", "_ptrs", "address", "stream", "keep", "go")
 
     def __init__(self, rt, name: str, grid: int, block: int, params, stream: int, keep=()):
         self.rt, self.name, self.grid, self.block, self.params, self.stream = rt, name, grid, block, params, stream
         self._ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(params))
         self.address = ctypes.addressof(self._ptrs)
         self.keep = keep  # the objects owning every pointer in params stay alive with the launch
+        self.go = rt.launcher(name, grid, block, self.address)
 
     def __call__(self, stream: int | None = None) -> None:
-        self.rt.launch(self.name, self.grid, self.block, self.address, self.stream if stream is None else stream)
+        self.go(self.stream if stream is None else stream)
 
 
 def _ref_sources(ctx: VerifyContext) -> list[reference.RefSource]:
