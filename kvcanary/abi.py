@@ -221,9 +221,19 @@ PROBE_PARAMS = StructDecl("KvcProbeParams", (
     _F("sources", "struct:KvcSourceDesc", 2),
 ))
 
+# The pump's status snapshot (SPEC §10): one launch per step copies the status block into a slot
+# of mapped pinned host memory, then writes the slot's completion word (pump.cu).
+SNAPSHOT_PARAMS = StructDecl("KvcSnapshotParams", (
+    _F("status", "ptr:const long long"),    # the int64 status block (device memory)
+    _F("payload", "ptr:long long"),         # the slot's n int64 (pinned host, device address)
+    _F("done", "ptr:long long"),            # the slot's completion word (pinned host, device address)
+    _F("n", "i64"),
+    _F("ticket", "i64"),                    # written to *done last; never 0
+))
+
 STRUCTS: tuple[StructDecl, ...] = (
     SOURCE_DESC, VERIFY_PARAMS, WRITE_PARAMS, PREPARE_PARAMS, EXPAND_PARAMS,
-    FUSED_VERIFY_PARAMS, PROBE_PARAMS,
+    FUSED_VERIFY_PARAMS, PROBE_PARAMS, SNAPSHOT_PARAMS,
 )
 _BY_NAME = {s.name: s for s in STRUCTS}
 PARAMS_STRUCTS = tuple(s for s in STRUCTS if s is not SOURCE_DESC)
@@ -236,6 +246,7 @@ KERNELS: dict[str, str] = {
     "kvc_write": WRITE_PARAMS.name,
     "kvc_prepare": PREPARE_PARAMS.name,
     "kvc_expand": EXPAND_PARAMS.name,
+    "kvc_snapshot": SNAPSHOT_PARAMS.name,
     "kvc_empty": PROBE_PARAMS.name,
     "kvc_abi_layout": PROBE_PARAMS.name,
     **{f"kvc_echo_{s.name}": s.name for s in PARAMS_STRUCTS},
@@ -298,6 +309,7 @@ PrepareParams = CTYPES["KvcPrepareParams"]
 ExpandParams = CTYPES["KvcExpandParams"]
 FusedVerifyParams = CTYPES["KvcFusedVerifyParams"]
 ProbeParams = CTYPES["KvcProbeParams"]
+SnapshotParams = CTYPES["KvcSnapshotParams"]
 
 
 # ---- C++ side ---------------------------------------------------------------------------------------

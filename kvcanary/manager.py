@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from operator import is_
 from typing import Any, Sequence
 
 import numpy as np
@@ -97,10 +98,20 @@ class KvCanary:
             p.enable = int32_at(self.status, base + 2 * k + 1, device)
             self.plans[g] = p
         self.pump = Pump(self.status, ring, ring_capacity, device)
+        self._rt = None
+        if device is not None:
+            from . import driver
+            self._rt = driver.runtime(device)
         self.step = 0
-        self._expected = np.zeros(len(names), np.int64)   # launches enqueued per context
-        self._last = None  # (snapshot, expected counts at its time)
-        self._cache: dict = {}
+        # Launches enqueued per context = _expected (sweeps, replays; replaced, never changed in
+        # place, once a snapshot's meta holds it) + stage runs x the stage's mask.
+        self._expected = np.zeros(len(names), np.int64)
+        self._stage_runs = [0, 0]  # HEAD, TAIL stages enqueued outside a graph capture
+        self._masks = [np.array([nm[0] == st for nm in names], np.int64) for st in ("HEAD", "TAIL")]
+        self._enable_cells = [(base + 2 * k + 1, g) for k, g in enumerate(self.groups)]
+        self._last = None  # (newest snapshot taken, its meta)
+        self._hot: dict = {}  # stage -> (the Batch's field objects, bound launches, Launches)
+        self._stage_launches = 0
         self._seen_rows = 0
         self._skipped = 0
 
@@ -113,31 +124,43 @@ class KvCanary:
         """TAIL: verify the prefix with real KV, stamp the new tokens with their fingerprints, then
         poll the pump (skipped while the stream is being captured into a CUDA graph)."""
         s = self._stage(batch, "TAIL", stream)
-        self.poll(s)
+        if s is not False:  # False: captured
+            self._report(s, advance=True)
 
     def _stage(self, batch: Batch, stage: str, stream):
+        """Enqueue one stage; the stream handle (None on the CPU backend, or mode "none"), or
+        False while that stream is capturing a graph (the launches are then not counted: they
+        run when the graph is replayed, see :meth:`record_replay`)."""
         if self.mode == "none":
             return None
-        s = None if self.device is None else streams.resolve(stream, (batch.req_pool_indices,), (), self.device)
-        launches, counted = self._launches(batch, stage)
-        for launch in launches:
-            launch(s)
-        self._expected[counted] += 1  # plan-builder launches have no counters of their own
+        k = stage == "TAIL"
+        if self.device is None:
+            self._launches(batch, stage)  # the host ops run here
+            self._stage_runs[k] += 1
+            return None
+        s = stream if type(stream) is int else streams.resolve(stream, (batch.req_pool_indices,), (),
+                                                               self.device)
+        hot = self._hot.get(stage)
+        if hot is None or not all(map(is_, batch.__dict__.values(), hot[0])):  # other arrays: repack
+            hot = self._launches(batch, stage)
+        for go in hot[1]:
+            go(s)
+        self._stage_launches += len(hot[1])
+        if self._rt.capturing(s):
+            return False
+        self._stage_runs[k] += 1
         return s
 
-    def _launches(self, batch: Batch, stage: str) -> tuple[list, np.ndarray]:
-        """(Launches, indices of the contexts they count for) of one stage; packed once per set of
-        batch arrays on the GPU (on the CPU the ops run here and no launch is returned)."""
-        key = (stage, id(batch), *(id(getattr(batch, f)) for f in batch.__dataclass_fields__))
-        hit = self._cache.get(key)
-        if hit is not None:
-            return hit[0]
+    def _launches(self, batch: Batch, stage: str):
+        """Pack the launches of one stage for this batch's arrays and keep them (hot path of
+        :meth:`_stage`: replayed while every field of the Batch is the same object). On the
+        CPU backend the ops run here and nothing is kept or returned."""
         out = []
         for g, grp in self.groups.items():
             plan = self.plans[g]
             swa = dict(swa_window=grp.window, swa_map=grp.full_to_swa) if g == "SWA" else {}
-            if stage == "HEAD":
-                out += [(None, l) for l in ops.prepare_build_plan(batch, plan, **swa)]
+            if stage == "HEAD":  # plan-builder launches have no counters of their own
+                out += ops.prepare_build_plan(batch, plan, **swa)
             loc = batch.swa_out_cache_loc if g == "SWA" else batch.out_cache_loc
             if loc is None:
                 raise ValidationError(f"kv-canary: batch.{'swa_' if g == 'SWA' else ''}out_cache_loc is "
@@ -146,18 +169,26 @@ class KvCanary:
                 vctx, wctx = self.ctx[stage, g, h, "verify"], self.ctx[stage, g, h, "write"]
                 verify = ops.prepare_fused_verify if self.fused else (lambda c, b, p, **kw: ops.prepare_verify(
                     c, p, check_expected_token=kw["check_expected_token"]))
-                out.append((self._names.index((stage, g, h, "verify")),
-                             verify(vctx, batch, plan, check_expected_token=self.check_expected_token, **swa)))
-                out.append((self._names.index((stage, g, h, "write")), ops.prepare_write(
+                out.append(verify(vctx, batch, plan, check_expected_token=self.check_expected_token, **swa))
+                out.append(ops.prepare_write(
                     wctx, plan, batch.input_ids, batch.positions, loc,
-                    expected_input_ids=batch.expected_input_ids, expected_positions=batch.expected_positions)))
-        counted = np.array([i for i, _ in out if i is not None], np.int64)
+                    expected_input_ids=batch.expected_input_ids, expected_positions=batch.expected_positions))
         if self.device is None:  # host ops already ran; nothing to replay
-            return [], counted
-        packed = ([launch for _, launch in out], counted)
-        self._cache = {k: v for k, v in self._cache.items() if k[0] != stage}  # one batch per stage
-        self._cache[key] = (packed, [getattr(batch, f) for f in batch.__dataclass_fields__], batch)
-        return packed
+            return None
+        hot = self._hot[stage] = (tuple(batch.__dict__.values()), tuple(lc.go for lc in out), out)
+        return hot
+
+    def launches_per_step(self) -> int:
+        """cuLaunchKernel calls of one eager ``before_forward`` + ``after_forward`` of the batch
+        last packed: both stages' launches plus the pump's snapshot (0 on the CPU backend)."""
+        if self.device is None or self.mode == "none":
+            return 0
+        return sum(len(self._hot[st][1]) for st in ("HEAD", "TAIL") if st in self._hot) + 1
+
+    @property
+    def launch_count(self) -> int:
+        """cuLaunchKernel calls made so far by the step API and the pump (captures included)."""
+        return self._stage_launches + self.pump.launches
 
     def sweep(self, slots, positions, prev_slots, *, group: str = "FULL", stream=None) -> None:
         """Verify idle cached slots against the TAIL buffers with real KV (tags SWEEP_*).
@@ -177,10 +208,10 @@ class KvCanary:
         else:
             s = streams.resolve(stream, (), (), self.device)
             self._stage_sweep(host, n, s)
-        for h in self.groups[group].resolved_halves():
-            i = self._names.index(("SWEEP", group, h, "verify"))
+        halves = self.groups[group].resolved_halves()
+        for h in halves:
             ops.verify(self.ctx["SWEEP", group, h, "verify"], plan, stream=None if self.device is None else s)
-            self._expected[i] += 1
+        self._count([self._names.index(("SWEEP", group, h, "verify")) for h in halves])
         if self.device is None:
             self._report(None, advance=False)  # a sweep is not a step
 
@@ -216,37 +247,48 @@ class KvCanary:
 
     # ---- pump ------------------------------------------------------------------------------------
     def poll(self, stream=None) -> None:
-        """Report what the newest completed snapshot shows, then snapshot again. Never waits on
-        the device, except to read back ring rows after violations were seen."""
-        self._report(stream, advance=True)
+        """Report what the newest completed snapshots show, then snapshot again (on ``stream``;
+        skipped while it is capturing a graph). Never waits on the device, except to read back
+        ring rows after violations were seen."""
+        s = None if stream is None else streams.stream_handle(stream)
+        if s is not None and self.device is not None and self._rt.capturing(s):
+            return  # a snapshot launch in a capture would run only on replay
+        self._report(s, advance=True)
 
     def _report(self, stream, advance: bool) -> None:
-        if self.device is not None and stream is not None:
-            from . import memory
-            if memory.is_capturing(stream, self.device):  # no event queries or copies in a capture
-                return
-        meta = (self.step, self._expected.copy())
+        meta = (self.step, self._stage_runs[0], self._stage_runs[1], self._expected)
         taken = self.pump.take(meta)
-        if self.device is not None and stream is not None:
+        if stream is not None and self.device is not None:
             self.pump.snapshot(stream, meta)  # ring reads below use a stream of their own
         if advance:
             self.step += 1
-        for snap, (step, expected) in taken:  # may raise in mode "raise", after the step advanced
-            self._process(snap, expected, step)
+        for snap, meta in taken:  # may raise in mode "raise", after the step advanced
+            self._process(snap, meta)
 
     def flush(self) -> None:
         """Wait for every snapshot and report it (shutdown and tests; this one does synchronise)."""
-        for snap, (step, expected) in self.pump.drain((self.step, self._expected.copy())):
-            self._process(snap, expected, step)
+        for snap, meta in self.pump.drain((self.step, *self._stage_runs, self._expected)):
+            self._process(snap, meta)
 
-    def _process(self, snap: np.ndarray, expected: np.ndarray, step: int) -> None:
-        wi = int(np.array([snap[0]], np.int64).view(np.int32)[0])
-        n = len(self._names)
-        runs = snap[1:1 + 2 * n].reshape(n, 2)
-        self._last = (runs.copy(), expected)
-        base = 1 + 2 * n
-        for k, g in enumerate(self.groups):
-            if int(np.array([snap[base + 2 * k + 1]], np.int64).view(np.int32)[0]) == 0 and self._expected.any():
+    def _count(self, indices) -> None:
+        """One more launch enqueued for each context index (a new array: metas keep the old)."""
+        expected = self._expected.copy()
+        expected[indices] += 1
+        self._expected = expected
+
+    def _expected_at(self, meta) -> np.ndarray:
+        _, head, tail, base = meta
+        return base + head * self._masks[0] + tail * self._masks[1]
+
+    def _process(self, snap: list, meta) -> None:
+        """Report one snapshot (the status block as ints) taken with ``meta``."""
+        step, head, tail, base = meta
+        self._last = (snap, meta)
+        wi = snap[0] & 0xFFFFFFFF  # the low int32 of cell 0 (little-endian)
+        if wi >= 0x80000000:
+            wi -= 1 << 32
+        for cell, g in self._enable_cells:
+            if not snap[cell] & 0xFFFFFFFF and (head or tail or base.any()):
                 self._skipped += 1
                 warnings.warn(f"kv-canary: step {step}: the {g} verify was skipped because the batch has "
                               f"more cached entries than verify_capacity ({self.plans[g].verify_capacity}); "
@@ -259,11 +301,16 @@ class KvCanary:
             self.reporter.violations(readout.violations, step, max(0, wi - self.ring_capacity))
         if self.stats_every or self.reporter.export._file or self.reporter.export._callback:
             emit = bool(self.stats_every) and step % self.stats_every == 0
-            self.reporter.stats(self.stats(runs, wi, step), emit)
+            self.reporter.stats(self.stats(self._runs(snap), wi, step), emit)
+
+    def _runs(self, snap) -> np.ndarray:
+        """(kernel runs, slot runs) per context of a snapshot, int64 [contexts, 2]."""
+        n = len(self._names)
+        return np.array(snap[1:1 + 2 * n], np.int64).reshape(n, 2)
 
     def stats(self, runs=None, wi=None, step=None) -> dict:
         if runs is None:
-            runs = self._last[0] if self._last else np.zeros((len(self._names), 2), np.int64)
+            runs = self._runs(self._last[0]) if self._last else np.zeros((len(self._names), 2), np.int64)
         idx = lambda st, op: [i for i, nm in enumerate(self._names) if nm[0] == st and nm[3] == op]  # noqa: E731
         return {"step": self.step if step is None else step,
                 "protected_tokens": int(runs[idx("TAIL", "write"), 1].sum()),
@@ -276,7 +323,7 @@ class KvCanary:
         the newest completed snapshot)."""
         if self._last is None:
             return
-        runs, expected = self._last
+        runs, expected = self._runs(self._last[0]), self._expected_at(self._last[1])
         lagging = [f"{st}_{h}_{g} {op}: ran {runs[i, 0]} of {expected[i]}"
                    for i, (st, g, h, op) in enumerate(self._names) if runs[i, 0] < expected[i]]
         if lagging:
@@ -295,7 +342,6 @@ class KvCanary:
         return out
 
     def record_replay(self, stages=("HEAD", "TAIL")) -> None:
-        """Tell the health check that a captured graph holding these stages was replayed."""
-        for i, nm in enumerate(self._names):
-            if nm[0] in stages:
-                self._expected[i] += 1
+        """Tell the health check that a captured graph holding these stages was replayed (a
+        capture itself counts nothing)."""
+        self._count([i for i, nm in enumerate(self._names) if nm[0] in stages])

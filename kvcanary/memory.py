@@ -138,13 +138,22 @@ def copy_to_host_ptr(host: np.ndarray, src_ptr: int, device: int) -> np.ndarray:
 
 
 class PinnedBuffer:
-    """Page-locked host memory (cuMemHostAlloc) seen as a numpy array; device-visible under UVA."""
+    """Page-locked host memory (cuMemHostAlloc) seen as a numpy array; device-visible under UVA.
 
-    def __init__(self, shape, dtype, device: int):
+    ``mapped``: allocated DEVICEMAP | PORTABLE, and ``device_ptr`` is the address kernels store
+    to: ``cuMemHostGetDevicePointer``'s, or the host address itself, which is the device address
+    of every pinned allocation under unified addressing (all 64-bit CUDA platforms)."""
+
+    def __init__(self, shape, dtype, device: int, mapped: bool = False):
         d, self.rt = driver._driver(), driver.runtime(device)
         self.dtype, self.shape = np.dtype(dtype), tuple(shape)
         nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
-        self.ptr = int(check(self.rt.call(d.cuMemHostAlloc, max(nbytes, 1), 0), "cuMemHostAlloc"))
+        flags = int(d.CU_MEMHOSTALLOC_DEVICEMAP | d.CU_MEMHOSTALLOC_PORTABLE) if mapped else 0
+        self.ptr = int(check(self.rt.call(d.cuMemHostAlloc, max(nbytes, 1), flags), "cuMemHostAlloc"))
+        self.device_ptr = self.ptr
+        if mapped:
+            err, dptr = self.rt.call(d.cuMemHostGetDevicePointer, self.ptr, 0)
+            self.device_ptr = self.ptr if err else int(dptr)
         import ctypes
         raw = (ctypes.c_ubyte * max(nbytes, 1)).from_address(self.ptr)
         self.array = np.frombuffer(raw, np.uint8, nbytes).view(self.dtype).reshape(self.shape)
@@ -197,7 +206,11 @@ def stream_synchronize(stream: int, device: int) -> None:
     check(driver.runtime(device).call(driver._driver().cuStreamSynchronize, stream), "cuStreamSynchronize")
 
 
+def context_synchronize(device: int) -> None:
+    """Wait for all work of the device's primary context, on every stream."""
+    check(driver.runtime(device).call(driver._driver().cuCtxSynchronize), "cuCtxSynchronize")
+
+
 def is_capturing(stream: int, device: int) -> bool:
-    d = driver._driver()
-    status = check(driver.runtime(device).call(d.cuStreamIsCapturing, stream), "cuStreamIsCapturing")
-    return status != d.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE
+    """Whether ``stream`` is being captured into a CUDA graph (one cuStreamIsCapturing)."""
+    return driver.runtime(device).capturing(stream)

@@ -1,20 +1,31 @@
 """Asynchronous violation pump (SPEC §10): the serving loop never waits on the canary.
 
-Each step, a small status block (ring write index, per-launch counters, plan flags) is copied to
-pinned host memory on a side stream behind an event; the host reads the *previous* step's copy
-when its event has completed (``cuEventQuery``, never a wait). Only when that copy shows new
-violations is the ring read back (a copy on a stream of its own, which waits for nothing else).
-On the CPU backend the status is read directly.
+Each step, one launch of ``kvc_snapshot`` (kernels_src/pump.cu) on the step's stream, after the
+step's launches, copies a small status block (ring write index, per-launch counters, plan flags)
+into a slot of pinned host memory mapped for the device, then writes the slot's completion word.
+The host reads completion words with plain memory loads (no driver call, no event) and takes the
+finished snapshots in FIFO order. Only when a snapshot shows new violations is the ring read back
+(a copy on a stream of its own, which waits for nothing else). On the CPU backend the status is
+read directly.
 """
 
 from __future__ import annotations
 
+import platform
+import threading
 from collections import deque
 
 import numpy as np
 
 from . import abi
 from .arrays import from_pointer
+
+DEPTH = 8
+_SNAPSHOT_BLOCK = 128
+# x86-64 keeps loads in program order: the completion word is read before the payload. Weakly
+# ordered hosts (aarch64) pass a lock between the two reads as a best-effort load barrier.
+_ORDERED_LOADS = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+_barrier = threading.Lock()
 
 
 def int64_slice(status, start: int, n: int, device: int | None):
@@ -31,65 +42,138 @@ def int32_at(status, index: int, device: int | None):
     return from_pointer(status.ptr + 8 * index, (1,), np.int32, device=device, owner=status)
 
 
-class Pump:
-    """Snapshots ``status`` (int64 ``[n]``) into a FIFO of pinned buffers; hands back completed
-    snapshots in order, so each violation is attributed to the first step whose snapshot shows it.
-    When the device runs ``DEPTH`` steps behind, a new snapshot is skipped (the next covers it)."""
+class SnapshotFifo:
+    """The host side of the snapshot FIFO, over host memory the device writes.
 
-    DEPTH = 8
+    ``payload`` is int64 ``[depth, n]`` (slot i receives one copy of the status block) and
+    ``words`` int64 ``[depth]`` (slot i's completion word). :meth:`claim` picks a free slot,
+    clears its word and gives the ticket the device must write there once the payload is
+    complete; :meth:`take` hands back completed slots oldest first, from plain loads. A claim
+    when every slot is in flight is skipped (counted in ``skipped``): the next snapshot covers
+    the same counters, so nothing is lost but the exact step of what happened in between.
+    """
+
+    def __init__(self, payload: np.ndarray, words: np.ndarray):
+        self.payload, self.words = payload, words
+        self._words = memoryview(words).cast("B").cast("q")  # element reads give Python ints
+        self.depth = len(words)
+        self.tickets = [0] * self.depth
+        self.meta: list = [None] * self.depth
+        self.queue: deque[int] = deque()
+        self.free = list(range(self.depth - 1, -1, -1))
+        self.skipped = 0
+        self._next = 1
+
+    def claim(self, meta=None) -> int:
+        """A slot for the next snapshot with ``meta`` attached (-1 when all are in flight). Its
+        completion word is 0 on return; ``tickets[slot]`` is what the device must write."""
+        if not self.free:
+            self.skipped += 1
+            return -1
+        slot = self.free.pop()
+        self._words[slot] = 0  # cleared before the launch that sets it is enqueued
+        self.tickets[slot], self._next = self._next, self._next + 1
+        self.meta[slot] = meta
+        self.queue.append(slot)
+        return slot
+
+    def unclaim(self, slot: int) -> None:
+        """Return the newest claim (its launch could not be enqueued)."""
+        if self.queue and self.queue[-1] == slot:
+            self.queue.pop()
+            self.free.append(slot)
+
+    def take(self) -> list:
+        """[(snapshot as a list of ints, its meta)] of every completed slot not yet taken, oldest
+        first; stops at the first slot still in flight. Never waits."""
+        out, queue, words, tickets = [], self.queue, self._words, self.tickets
+        while queue:
+            slot = queue[0]
+            if words[slot] != tickets[slot]:
+                break
+            if not _ORDERED_LOADS:
+                with _barrier:
+                    pass
+            out.append((self.payload[slot].tolist(), self.meta[slot]))
+            queue.popleft()
+            self.free.append(slot)
+        return out
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.queue)
+
+
+class Pump:
+    """Snapshots ``status`` (int64 ``[n]``) into a FIFO of ``DEPTH`` pinned slots; hands back
+    completed snapshots in order, so each violation is attributed to the first step whose
+    snapshot shows it. When the device runs ``DEPTH`` steps behind, a new snapshot is skipped
+    (the next covers it). ``launches`` counts the snapshot launches enqueued."""
+
+    DEPTH = DEPTH
 
     def __init__(self, status, ring, ring_capacity: int, device: int | None):
         self.status, self.ring, self.capacity, self.device = status, ring, ring_capacity, device
         self.n = len(status) if device is None else status.shape[0]
-        self.skipped = 0
+        self.launches = 0
+        self.fifo = None
         if device is not None:
-            from . import memory
-            self.pinned = [memory.PinnedBuffer((self.n,), np.int64, device) for _ in range(self.DEPTH)]
+            from . import driver, memory
+            from .ops import Launch
+            rt = driver.runtime(device)
+            self.pinned = memory.PinnedBuffer((self.DEPTH, self.n), np.int64, device, mapped=True)
+            self.done = memory.PinnedBuffer((self.DEPTH,), np.int64, device, mapped=True)
+            self.fifo = SnapshotFifo(self.pinned.array, self.done.array)
             self.ring_pinned = memory.PinnedBuffer((ring_capacity, abi.RING_COLS), np.int64, device)
-            self.done = [memory.Event(device) for _ in range(self.DEPTH)]
-            self.ready = memory.Event(device)
-            self.side = memory.new_stream(device)
             self.ring_side = memory.new_stream(device)  # idle but for ring reads: never waits on steps
-            self.meta: list = [None] * self.DEPTH
-            self.queue: deque[int] = deque()
-            self.free = list(range(self.DEPTH))
+            block = min(_SNAPSHOT_BLOCK, 32 * -(-self.n // 32))
+            self.slot_launches = []  # one prepacked launch per slot; its ticket set per use
+            for slot in range(self.DEPTH):
+                p = abi.SnapshotParams()
+                p.status, p.n = status.ptr, self.n
+                p.payload = self.pinned.device_ptr + 8 * self.n * slot
+                p.done = self.done.device_ptr + 8 * slot
+                self.slot_launches.append(Launch(rt, "kvc_snapshot", 1, block, p, driver.PER_THREAD_STREAM,
+                                                 (status, self.pinned, self.done)))
+
+    @property
+    def skipped(self) -> int:
+        return 0 if self.fifo is None else self.fifo.skipped
 
     def take(self, meta=None) -> list:
         """[(snapshot, its meta)] of every completed snapshot not yet taken, oldest first; never
-        waits. On the CPU backend the status is current, and ``meta`` is passed through."""
-        if self.device is None:
-            return [(np.array(self.status, copy=True), meta)]
-        out = []
-        while self.queue and self.done[self.queue[0]].done():
-            slot = self.queue.popleft()
-            out.append((self.pinned[slot].array.copy(), self.meta[slot]))
-            self.free.append(slot)
-        return out
+        waits. A snapshot is the status block as a list of ints. On the CPU backend the status is
+        current, and ``meta`` is passed through."""
+        if self.fifo is None:
+            return [(self.status.tolist(), meta)]
+        return self.fifo.take()
 
     def snapshot(self, stream: int, meta=None) -> None:
-        """Enqueue a copy of the status block behind the work already on ``stream``; ``meta``
-        (host bookkeeping of that moment) comes back with it from :meth:`take`."""
-        if self.device is None:
+        """Enqueue one ``kvc_snapshot`` launch on ``stream`` behind the work already there;
+        ``meta`` (host bookkeeping of that moment) comes back with it from :meth:`take`. Never
+        call it while ``stream`` is capturing a CUDA graph."""
+        fifo = self.fifo
+        if fifo is None:
             return
-        if not self.free:
-            self.skipped += 1
+        slot = fifo.claim(meta)
+        if slot < 0:
             return
-        from . import memory
-        slot = self.free.pop()
-        self.meta[slot] = meta
-        self.ready.record(stream)
-        memory.stream_wait(self.side, self.ready)
-        memory.copy_async(self.pinned[slot].ptr, self.status.ptr, 8 * self.n, self.side, self.device)
-        self.done[slot].record(self.side)
-        self.queue.append(slot)
+        launch = self.slot_launches[slot]
+        launch.params.ticket = fifo.tickets[slot]
+        try:
+            launch.go(stream)
+        except BaseException:
+            fifo.unclaim(slot)
+            raise
+        self.launches += 1
 
     def drain(self, meta=None) -> list:
-        """Block until every snapshot is complete and take them all (shutdown, tests)."""
-        if self.device is None:
-            return [(np.array(self.status, copy=True), meta)]
+        """Wait for the device (context synchronise) and take every snapshot (shutdown, tests)."""
+        if self.fifo is None:
+            return [(self.status.tolist(), meta)]
         from . import memory
-        memory.stream_synchronize(self.side, self.device)
-        return self.take()
+        memory.context_synchronize(self.device)
+        return self.fifo.take()
 
     def read_ring(self, start: int, stop: int) -> np.ndarray:
         """Ring rows [start, stop) (already complete per a snapshot), as host numpy. Waits only

@@ -102,20 +102,9 @@ class Session:
         del self.lens[row]
 
     def script(self, corrupt_at=None, corrupt=None):
-        """The standard session; ``corrupt`` is applied to step ``corrupt_at``."""
-        plan = [
-            [(1, list(range(100, 112)))],                                  # prefill A
-            [(1, [112]), (2, list(range(200, 208)))],                      # decode A, chunk 1 of B
-            [(1, [113]), (2, list(range(208, 214)))],                      # chunk 2 of B (cached prefix)
-            "share",                                                        # C shares A's first 6
-            [(1, [114]), (2, [214]), (3, [300, 301, 302, 303])],
-            "finish",                                                       # A done, D reuses row 1
-            [(2, [215]), (3, [304]), (1, [400, 401, 402])],
-            [(2, [216]), (3, [305]), (1, [403])],
-            [(2, [217]), (3, [306]), (1, [404])],
-        ]
+        """The standard session (:data:`SCRIPT`); ``corrupt`` is applied to step ``corrupt_at``."""
         k = 0
-        for item in plan:
+        for item in SCRIPT:
             if item == "share":
                 self.share_prefix(1, 3, 6)
                 continue
@@ -126,3 +115,16 @@ class Session:
             k += 1
         self.canary.flush()
         return self.records
+
+
+SCRIPT = [
+    [(1, list(range(100, 112)))],                                  # prefill A
+    [(1, [112]), (2, list(range(200, 208)))],                      # decode A, chunk 1 of B
+    [(1, [113]), (2, list(range(208, 214)))],                      # chunk 2 of B (cached prefix)
+    "share",                                                        # C shares A's first 6
+    [(1, [114]), (2, [214]), (3, [300, 301, 302, 303])],
+    "finish",                                                       # A done, D reuses row 1
+    [(2, [215]), (3, [304]), (1, [400, 401, 402])],
+    [(2, [216]), (3, [305]), (1, [403])],
+    [(2, [217]), (3, [306]), (1, [404])],
+]

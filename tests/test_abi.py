@@ -48,6 +48,19 @@ def test_kernel_table_names_existing_structs():
             assert re.search(rf"\b{kernel}\(", body), kernel
 
 
+def test_snapshot_kernel_is_declared_like_the_others():
+    """The pump's kvc_snapshot takes an appended struct that the prelude asserts and the GPU echo
+    probe covers (the parametrised layout, compile and echo tests pick it up from these tables)."""
+    assert abi.KERNELS["kvc_snapshot"] == "KvcSnapshotParams"
+    assert abi.STRUCTS.index(abi.SNAPSHOT_PARAMS) > abi.STRUCTS.index(abi.PROBE_PARAMS)  # appended
+    assert abi.SNAPSHOT_PARAMS in abi.PARAMS_STRUCTS
+    assert abi.KERNELS["kvc_echo_KvcSnapshotParams"] == "KvcSnapshotParams"
+    assert abi.layout(abi.SNAPSHOT_PARAMS) == {"status": 0, "payload": 8, "done": 16, "n": 24, "ticket": 32}
+    text = abi.render_prelude()
+    assert "sizeof(KvcSnapshotParams) == 40" in text and "offset of KvcSnapshotParams.ticket" in text
+    assert "X(KvcSnapshotParams)" in text
+
+
 def test_no_kvcanary_number_typed_into_kernel_sources():
     """Hash constants, bit values and the anchor come from the prelude, never from .cu text."""
     text = "\n".join(kc_compile.read_sources().values()).lower()
@@ -83,7 +96,8 @@ def test_layout_drift_fails_the_compile_with_the_static_assert():
 
 def test_compile_error_carries_log_and_numbered_source():
     sources = dict(kc_compile.read_sources())
-    sources["verify.cu"] = sources["verify.cu"].replace("kvc_clamp(*p.plan_num_valid", "kvc_clamp(*p.no_such_field")
+    assert "p.plan_num_valid" in sources["verify.cu"]
+    sources["verify.cu"] = sources["verify.cu"].replace("p.plan_num_valid", "p.no_such_field")
     with pytest.raises(CompileError) as err:
         kc_compile.compile_cubin(sources, abi.render_prelude(), 80)
     text = str(err.value)

@@ -1,14 +1,20 @@
 """GPU tier: the scripted session on the device equals the CPU reference (records and buffers),
-eager and CUDA-graph-replayed; the step API performs no host synchronisation."""
+eager and CUDA-graph-replayed; the step API performs no host synchronisation and, besides its
+launches, no driver call but the capture query; the pump's kvc_snapshot launches: exact copies,
+FIFO order, skip-when-full, flush, a violation in the first poll after the device finished, and
+graph capture with snapshots in flight (the pump is never captured)."""
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pytest
 
 import kvcanary as kc
 from tests import session as sess_mod
-from kvcanary import memory
+from kvcanary import driver, memory
+from kvcanary.pump import DEPTH, Pump
 from tests.session import Session
 from tests.test_manager import _flip_kv, _wrong_position, _wrong_rtt
 
@@ -49,7 +55,9 @@ def test_step_api_does_not_synchronise(monkeypatch, fused):
     s = Session(0, fused=fused)
     s.script()  # warm: launches packed, library loaded
     blocking = ["cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize", "cuMemcpyDtoH",
-                "cuMemcpyHtoD", "cuMemcpy", "cuStreamQuery"]
+                "cuMemcpyHtoD", "cuMemcpy", "cuStreamQuery",
+                # the pump reads completion words from pinned memory: no event, no copy per step
+                "cuEventQuery", "cuEventRecord", "cuStreamWaitEvent", "cuMemcpyAsync", "cuMemcpyDtoHAsync"]
     calls = []
 
     def guard(name):
@@ -64,11 +72,13 @@ def test_step_api_does_not_synchronise(monkeypatch, fused):
     s.canary.after_forward(batch)  # packs the launches for this batch
     for name in blocking:
         monkeypatch.setattr(d, name, guard(name))
+    n0 = s.canary.launch_count
     for _ in range(5):
         s.canary.before_forward(batch)
         s.canary.after_forward(batch)
     monkeypatch.undo()
     assert calls == []
+    assert s.canary.launch_count - n0 <= 5 * s.canary.launches_per_step()
     s.canary.flush()
     s.canary.health_check()
 
@@ -110,11 +120,13 @@ def test_session_replayed_from_cuda_graphs_equals_eager():
             with torch.cuda.stream(s):  # pack launches outside capture (no canary launch here)
                 g.canary._launches(batch, "HEAD"); g.canary._launches(batch, "TAIL")
             torch.cuda.synchronize()
+            snapshots = g.canary.pump.launches
             with torch.cuda.graph(graphs["HEAD"]):
                 g.canary.before_forward(batch)
             with torch.cuda.graph(graphs["TAIL"]):
                 g.canary.after_forward(batch)
-            g.canary._expected[:] = 0
+            assert g.canary.pump.launches == snapshots  # the pump is not captured
+            # a capture counts nothing for the health check: record_replay does, per replay
         graphs["HEAD"].replay()
         torch.cuda.synchronize()
         g.forward(arrays)
@@ -122,12 +134,8 @@ def test_session_replayed_from_cuda_graphs_equals_eager():
         g.canary.record_replay()
         g.canary.poll(torch.cuda.current_stream().cuda_stream)
 
-    script = [[(1, list(range(100, 112)))], [(1, [112]), (2, list(range(200, 208)))],
-              [(1, [113]), (2, list(range(208, 214)))], "share", [(1, [114]), (2, [214]), (3, [300, 301, 302, 303])],
-              "finish", [(2, [215]), (3, [304]), (1, [400, 401, 402])], [(2, [216]), (3, [305]), (1, [403])],
-              [(2, [217]), (3, [306]), (1, [404])]]
     k = 0
-    for item in script:
+    for item in sess_mod.SCRIPT:
         if item == "share":
             g.share_prefix(1, 3, 6)
         elif item == "finish":
@@ -141,3 +149,109 @@ def test_session_replayed_from_cuda_graphs_equals_eager():
     for name in eb:
         np.testing.assert_array_equal(eb[name], gb[name], err_msg=str(name))
     g.canary.health_check()
+
+
+# ---- the pump -------------------------------------------------------------------------------------
+def small_canary(**kw):
+    """One group, K half, a one-request batch that re-stamps slot 5 each step (always clean)."""
+    from kvcanary.manager import KvCanary, PoolGroup
+    records = []
+    canary = KvCanary(PoolGroup(64, halves=("K",)), device=0, hash_mode="none", max_batch=2,
+                      verify_capacity=64, export=records.append, stats_every=1, **kw)
+    rtt = np.zeros((2, 8), np.int32)
+    rtt[1, 0] = 5
+    def dev(v, dt=np.int64):
+        return memory.to_device(np.array(v, dt))
+
+    batch = kc.Batch(dev([1]), dev([0]), dev([1]), dev(rtt, np.int32), dev([7]), dev([0]), dev([5]))
+    return canary, batch, records
+
+
+def test_snapshot_kernel_copies_the_status_block_then_its_completion_word():
+    host = np.arange(1, 301, dtype=np.int64) * -3  # a few hundred words, more than one block's pass
+    status = memory.to_device(host)
+    pump = Pump(status, memory.zeros((4, kc.abi.RING_COLS), np.int64), 4, 0)
+    s = memory.new_stream(0)
+    for k in range(2 * DEPTH + 1):  # every slot used twice
+        pump.snapshot(s, k)
+        deadline, taken = time.monotonic() + 5, []
+        while not taken and time.monotonic() < deadline:  # plain loads of pinned memory, no driver call
+            taken = pump.take()
+        assert [m for _, m in taken] == [k], "the completion word never became visible to the host"
+        assert taken[0][0] == host.tolist()
+    assert pump.launches == 2 * DEPTH + 1 and pump.skipped == 0
+
+
+def test_snapshots_in_order_skipped_when_full_then_flushed():
+    torch = pytest.importorskip("torch")
+    canary, batch, records = small_canary()
+    stream = torch.cuda.Stream()
+    s = stream.cuda_stream
+    canary.before_forward(batch, stream=s)  # packs the launches
+    canary.after_forward(batch, stream=s)
+    canary.flush()
+    first = canary.step
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(400_000_000)  # the device runs ~0.2 s behind the host
+    for _ in range(DEPTH + 3):
+        canary.before_forward(batch, stream=s)
+        canary.after_forward(batch, stream=s)
+    assert canary.pump.skipped == 3 and canary.pump.fifo.in_flight == DEPTH
+    assert canary._last[1][0] == first - 1, "a snapshot completed before the device got there"
+    canary.flush()
+    steps = [r["step"] for r in records if r["type"] == "stats"]
+    assert steps[-DEPTH:] == list(range(first, first + DEPTH))
+    assert [r for r in records if r["type"] == "violation"] == []
+    canary.health_check()
+
+
+def test_a_violation_shows_up_in_the_first_poll_after_the_device_finished():
+    s = Session(0)
+    k = 0
+    for item in sess_mod.SCRIPT:
+        if item == "share":
+            s.share_prefix(1, 3, 6)
+        elif item == "finish":
+            s.finish(1, keep=6)
+        else:
+            s.step(item, corrupt=_wrong_rtt if k == 3 else None)
+            if k == 3:
+                break
+            k += 1
+    assert [r for r in s.records if r["type"] == "violation"] == []  # step 3's snapshot not taken yet
+    memory.context_synchronize(0)
+    s.canary.poll(driver.PER_THREAD_STREAM)
+    found = [r for r in s.records if r["type"] == "violation"]
+    assert found and {r["step"] for r in found} == {3}
+    assert "HEAD_K_FULL" in {r["launch_tag"] for r in found}
+
+
+def test_capture_with_snapshots_in_flight():
+    torch = pytest.importorskip("torch")
+    canary, batch, records = small_canary()
+    stream = torch.cuda.Stream()
+    s = stream.cuda_stream
+    canary.before_forward(batch, stream=s)  # packs the launches outside the capture
+    canary.after_forward(batch, stream=s)
+    canary.flush()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(400_000_000)  # keeps the next steps' snapshots in flight
+    for _ in range(3):
+        canary.before_forward(batch, stream=s)
+        canary.after_forward(batch, stream=s)
+    assert canary.pump.fifo.in_flight == 3
+    snapshots, step = canary.pump.launches, canary.step
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):  # global capture mode: the pump makes no event query
+        cs = torch.cuda.current_stream().cuda_stream
+        canary.before_forward(batch, stream=cs)
+        canary.after_forward(batch, stream=cs)
+    assert canary.pump.launches == snapshots and canary.step == step
+    with torch.cuda.stream(stream):
+        for _ in range(4):
+            g.replay()
+            canary.record_replay()
+            canary.poll(s)
+    canary.flush()
+    assert [r for r in records if r["type"] == "violation"] == []
+    canary.health_check()

@@ -1,0 +1,202 @@
+"""A stand-in CUDA driver for CPU tests of the device code paths of the host (manager, pump).
+
+"Device memory" is host memory (ctypes buffers at real addresses), launches are queued per
+stream and run when the test calls :meth:`FakeDriver.run` or a synchronising call is made. Each
+runs from the params struct bytes copied at launch time, as the driver does: ``kvc_snapshot`` is
+emulated, ``kvc_prepare`` enables an empty plan, verify and write launches only count their run
+(``kernel_run_counter``), so a fake step is clean. Types and enums come from the real
+``cuda.bindings.driver`` (importing it needs no driver). Install with :func:`install`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+from collections import defaultdict
+
+from cuda.bindings import driver as real
+
+from kvcanary import abi
+
+OK = real.CUresult.CUDA_SUCCESS
+
+
+class FakeDriver:
+    def __init__(self):
+        self.memory: dict[int, object] = {}
+        self.pending: dict[int, list] = defaultdict(list)   # stream -> [(kernel, params bytes)]
+        self.launched: list[str] = []                        # kernel names, in launch order
+        self.capturing: set[int] = set()                     # streams reported as capturing
+        self.calls: dict[str, int] = defaultdict(int)
+        self.immediate = False                               # run each launch when it is made
+        self._next_handle = 0x1000
+
+    def __getattr__(self, name):  # types, enums and flags of the real module
+        return getattr(real, name)
+
+    # ---- test controls ---------------------------------------------------------------------
+    def run(self, stream: int | None = None) -> None:
+        """Execute the queued launches of ``stream`` (all streams when None), in order."""
+        for s in [stream] if stream is not None else list(self.pending):
+            queue, self.pending[s] = self.pending[s], []
+            for kernel, params in queue:
+                p = abi.CTYPES[abi.KERNELS[kernel]].from_buffer_copy(params)
+                if kernel == "kvc_snapshot":
+                    ctypes.memmove(p.payload, p.status, 8 * p.n)
+                    ctypes.c_int64.from_address(p.done).value = p.ticket
+                elif kernel == "kvc_prepare":  # a plan with nothing to verify, enabled
+                    ctypes.c_int32.from_address(p.verify_num_valid).value = 0
+                    ctypes.c_int32.from_address(p.verify_enable).value = 1
+                elif hasattr(p, "kernel_run_counter"):
+                    ctypes.c_int64.from_address(p.kernel_run_counter).value += 1
+
+    def _alloc(self, nbytes: int) -> int:
+        buf = ctypes.create_string_buffer(max(int(nbytes), 1))
+        addr = ctypes.addressof(buf)
+        self.memory[addr] = buf
+        return addr
+
+    def _handle(self) -> int:
+        self._next_handle += 16
+        return self._next_handle
+
+    # ---- initialisation and loading ------------------------------------------------------------
+    def cuInit(self, flags):
+        return (OK,)
+
+    def cuDeviceGetCount(self):
+        return OK, 1
+
+    def cuDeviceGet(self, ordinal):
+        return OK, ordinal
+
+    def cuDeviceGetAttribute(self, attr, dev):
+        A = real.CUdevice_attribute
+        return OK, {A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: 9,
+                    A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: 0}.get(attr, 132)
+
+    def cuDevicePrimaryCtxRetain(self, dev):
+        return OK, real.CUcontext(0x7000)
+
+    def cuCtxGetCurrent(self):
+        return OK, real.CUcontext(0x7000)
+
+    def cuCtxPushCurrent(self, ctx):
+        return (OK,)
+
+    def cuCtxPopCurrent(self):
+        return OK, real.CUcontext(0x7000)
+
+    def cuLibraryLoadData(self, *args):
+        return OK, "library"
+
+    def cuLibraryGetKernel(self, library, name):
+        return OK, name.decode()
+
+    def cuKernelGetParamInfo(self, kernel, index):
+        if index:
+            return real.CUresult.CUDA_ERROR_INVALID_VALUE, 0, 0
+        return OK, 0, ctypes.sizeof(abi.CTYPES[abi.KERNELS[kernel]])
+
+    def cuKernelGetFunction(self, kernel):
+        return OK, kernel
+
+    def cuPointerGetAttribute(self, attr, ptr):
+        return OK, 0
+
+    # ---- memory ----------------------------------------------------------------------------------
+    def cuMemAlloc(self, nbytes):
+        return OK, self._alloc(nbytes)
+
+    def cuMemHostAlloc(self, nbytes, flags):
+        return OK, self._alloc(nbytes)
+
+    def cuMemHostGetDevicePointer(self, ptr, flags):
+        return OK, ptr
+
+    def cuMemFree(self, ptr):
+        self.memory.pop(int(ptr), None)
+        return (OK,)
+
+    cuMemFreeHost = cuMemFree
+
+    def cuMemsetD8Async(self, ptr, value, nbytes, stream):
+        ctypes.memset(int(ptr), value, nbytes)
+        return (OK,)
+
+    def _copy(self, dst, src, nbytes, stream=None):
+        ctypes.memmove(int(dst), int(src), nbytes)
+        return (OK,)
+
+    cuMemcpyHtoDAsync = cuMemcpyAsync = _copy
+
+    def cuMemcpyDtoH(self, dst, src, nbytes):
+        self.run()
+        return self._copy(dst, src, nbytes)
+
+    # ---- streams, events, launches -----------------------------------------------------------
+    def cuStreamCreate(self, flags):
+        return OK, self._handle()
+
+    def cuEventCreate(self, flags):
+        return OK, self._handle()
+
+    def cuEventRecord(self, event, stream):
+        return (OK,)
+
+    def cuEventQuery(self, event):
+        self.calls["cuEventQuery"] += 1
+        return (OK,)
+
+    def cuStreamWaitEvent(self, stream, event, flags):
+        return (OK,)
+
+    def cuStreamSynchronize(self, stream):
+        self.run(int(stream))
+        return (OK,)
+
+    def cuEventSynchronize(self, event):
+        self.run()
+        return (OK,)
+
+    def cuCtxSynchronize(self):
+        self.calls["cuCtxSynchronize"] += 1
+        self.run()
+        return (OK,)
+
+    def cuStreamIsCapturing(self, stream):
+        self.calls["cuStreamIsCapturing"] += 1
+        S = real.CUstreamCaptureStatus
+        active = int(stream) in self.capturing
+        return OK, S.CU_STREAM_CAPTURE_STATUS_ACTIVE if active else S.CU_STREAM_CAPTURE_STATUS_NONE
+
+    def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
+        size = ctypes.sizeof(abi.CTYPES[abi.KERNELS[fn]])
+        struct_at = ctypes.c_void_p.from_address(int(params)).value
+        self.launched.append(fn)
+        if int(stream) not in self.capturing:  # a captured launch runs only on replay
+            self.pending[int(stream)].append((fn, ctypes.string_at(struct_at, size)))
+            if self.immediate:
+                self.run(int(stream))
+        return (OK,)
+
+
+def install(monkeypatch) -> FakeDriver:
+    """Route kvcanary's driver layer to a fresh FakeDriver until ``monkeypatch`` is undone; call
+    :func:`release` before that."""
+    from kvcanary import driver
+    fake = FakeDriver()
+    monkeypatch.setattr(driver, "_driver", lambda: fake)
+    monkeypatch.setattr(driver, "_initialised", False)
+    monkeypatch.setattr(driver, "_runtimes", {})
+    return fake
+
+
+def release(fake: FakeDriver) -> None:
+    """Disarm the fake runtimes before ``monkeypatch`` is undone: whatever still holds fake memory
+    (e.g. objects kept by a failed test's traceback) frees it later through its runtime's
+    ``call``, which must then never hand a fake pointer or context to a real driver."""
+    from kvcanary import driver
+    gc.collect()
+    for rt in driver._runtimes.values():
+        rt.call = lambda fn, *args: (OK,)

@@ -1,0 +1,215 @@
+"""The asynchronous pump without a GPU: the host side of the snapshot FIFO over host numpy, then
+the manager's device path against tests/fake_cuda.py (launches queued per stream, ``kvc_snapshot``
+emulated from its params struct): one snapshot launch per step after the step's launches, FIFO
+order, skip-when-full, attribution to the right step, drain, graph capture, the cached launches."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+
+import kvcanary as kc
+from kvcanary import abi
+from kvcanary.pump import DEPTH, SnapshotFifo
+from tests import fake_cuda
+
+
+def device_write(fifo: SnapshotFifo, slot: int, values) -> None:
+    """What kvc_snapshot does: the payload, then the completion word."""
+    fifo.payload[slot] = values
+    fifo.words[slot] = fifo.tickets[slot]
+
+
+def make_fifo(n: int = 5, depth: int = 4) -> SnapshotFifo:
+    return SnapshotFifo(np.zeros((depth, n), np.int64), np.zeros(depth, np.int64))
+
+
+def test_fifo_takes_only_completed_snapshots_oldest_first():
+    fifo = make_fifo()
+    a, b, c = fifo.claim("a"), fifo.claim("b"), fifo.claim("c")
+    assert len({a, b, c}) == 3 and fifo.tickets[a] < fifo.tickets[b] < fifo.tickets[c]
+    assert fifo.take() == []
+    device_write(fifo, b, [2] * 5)          # b done before a: not taken yet
+    assert fifo.take() == [] and fifo.in_flight == 3
+    device_write(fifo, a, [1] * 5)
+    assert fifo.take() == [([1] * 5, "a"), ([2] * 5, "b")]
+    device_write(fifo, c, [3] * 5)
+    assert fifo.take() == [([3] * 5, "c")] and fifo.in_flight == 0
+
+
+def test_fifo_skips_when_full_and_recovers():
+    fifo = make_fifo(depth=4)
+    slots = [fifo.claim(i) for i in range(4)]
+    assert fifo.claim(4) == -1 and fifo.claim(5) == -1 and fifo.skipped == 2
+    for k, slot in enumerate(slots):
+        device_write(fifo, slot, [k] * 5)
+    assert [m for _, m in fifo.take()] == [0, 1, 2, 3]
+    assert fifo.claim(6) >= 0 and fifo.skipped == 2
+
+
+def test_fifo_clears_the_word_and_ignores_a_stale_one():
+    fifo = make_fifo(depth=2)
+    slot = fifo.claim("old")
+    device_write(fifo, slot, [7] * 5)
+    assert fifo.take() == [([7] * 5, "old")]
+    assert fifo.words[slot] != 0
+    again = [fifo.claim("x"), fifo.claim("y")]
+    assert slot in again and fifo.words[slot] == 0  # cleared before its launch is enqueued
+    fifo.words[slot] = fifo.tickets[slot] - 1       # an older ticket is not completion
+    assert fifo.take() == []
+
+
+def test_fifo_snapshot_is_a_copy_and_unclaim_returns_the_slot():
+    fifo = make_fifo(depth=2)
+    slot = fifo.claim("m")
+    device_write(fifo, slot, [5] * 5)
+    (snap, _), = fifo.take()
+    fifo.payload[slot] = 0
+    assert snap == [5] * 5
+    s2 = fifo.claim("n")
+    fifo.unclaim(s2)
+    assert fifo.in_flight == 0 and len(fifo.free) == 2
+
+
+# ---- the manager's device path on the fake driver ------------------------------------------------
+@pytest.fixture
+def fake(monkeypatch):
+    f = fake_cuda.install(monkeypatch)
+    yield f
+    fake_cuda.release(f)
+
+
+def make_canary(**kw):
+    from kvcanary import memory
+    from kvcanary.manager import KvCanary, PoolGroup
+    records = []
+    canary = KvCanary(PoolGroup(64, halves=("K",)), device=0, hash_mode="none", max_batch=2,
+                      verify_capacity=256, export=records.append, **kw)
+    D = memory.to_device
+    batch = kc.Batch(D(np.array([1], np.int64)), D(np.array([3], np.int64)), D(np.array([1], np.int64)),
+                     D(np.zeros((2, 8), np.int32)), D(np.array([7], np.int64)), D(np.array([3], np.int64)),
+                     D(np.array([9], np.int64)))
+    return canary, batch, records
+
+
+def stream(fake) -> int:
+    return fake.cuStreamCreate(0)[1]
+
+
+def step(canary, batch, s):
+    canary.before_forward(batch, stream=s)
+    canary.after_forward(batch, stream=s)
+
+
+def record_violation(canary, row: int, slot: int) -> None:
+    """Write a ring row and bump the write index in fake device memory, as a kernel would."""
+    wi = ctypes.c_int32.from_address(canary.status.ptr)
+    ring = np.ctypeslib.as_array((ctypes.c_int64 * (canary.ring_capacity * abi.RING_COLS)).from_address(
+        canary._ring.ptr)).reshape(-1, abi.RING_COLS)
+    ring[row] = [int(abi.LaunchTag.TAIL_K_FULL), slot, 3, 7, 7, 0, 0, int(abi.FailReason.VERIFY_CHAIN_HASH_MISMATCH)]
+    wi.value = row + 1
+
+
+def test_one_snapshot_launch_per_step_after_the_step_and_no_other_driver_call(fake):
+    canary, batch, _ = make_canary()
+    s = stream(fake)
+    step(canary, batch, s)
+    fake.launched.clear()
+    fake.calls.clear()
+    n0 = canary.launch_count
+    step(canary, batch, s)
+    assert fake.launched == ["kvc_prepare", "kvc_fused_verify", "kvc_write", "kvc_fused_verify", "kvc_write",
+                             "kvc_snapshot"]
+    assert canary.launch_count - n0 == canary.launches_per_step() == 6
+    assert [k for k, _ in fake.pending[s]][-1] == "kvc_snapshot"  # on the step's stream, last
+    assert dict(fake.calls) == {"cuStreamIsCapturing": 2}        # no event query, no copy
+    slot = canary.pump.fifo.queue[-1]
+    p = canary.pump.slot_launches[slot].params
+    assert p.status == canary.status.ptr and p.n == canary.status.shape[0]
+    assert p.payload == canary.pump.pinned.device_ptr + 8 * p.n * slot
+    assert p.done == canary.pump.done.device_ptr + 8 * slot and p.ticket == canary.pump.fifo.tickets[slot]
+
+
+def test_snapshots_are_taken_in_order_and_skipped_when_the_device_lags(fake):
+    canary, batch, _ = make_canary()
+    s = stream(fake)
+    for _ in range(DEPTH + 3):  # the device runs nothing: the FIFO fills, then snapshots are skipped
+        step(canary, batch, s)
+    assert canary.pump.skipped == 3 and canary.pump.launches == DEPTH and canary._last is None
+    fake.run()
+    step(canary, batch, s)  # takes the DEPTH finished snapshots, oldest first
+    assert canary._last[1][0] == DEPTH - 1
+    assert canary.stats()["step"] == DEPTH + 4
+    canary.flush()
+    canary.health_check()
+
+
+def test_a_violation_is_reported_in_the_step_whose_snapshot_first_shows_it(fake):
+    canary, batch, records = make_canary()
+    s = stream(fake)
+    step(canary, batch, s)             # step 0
+    fake.run()
+    record_violation(canary, 0, 11)    # the device records during step 1
+    step(canary, batch, s)             # step 1: reports step 0 (clean), snapshots step 1
+    assert [r for r in records if r["type"] == "violation"] == []
+    fake.run()
+    step(canary, batch, s)             # step 2: takes step 1's snapshot
+    (v,) = [r for r in records if r["type"] == "violation"]
+    assert (v["step"], v["slot_idx"], v["launch_tag"]) == (1, 11, "TAIL_K_FULL")
+    record_violation(canary, 1, 12)
+    canary.flush()                     # drain synchronises and reports the rest
+    assert fake.calls["cuCtxSynchronize"] >= 1
+    assert [r["slot_idx"] for r in records if r["type"] == "violation"] == [11, 12]
+
+
+def test_capture_launches_stages_but_no_snapshot_and_counts_nothing(fake):
+    canary, batch, _ = make_canary()
+    s = stream(fake)
+    step(canary, batch, s)
+    fake.run()
+    n_snap, step_no = canary.pump.launches, canary.step
+    fake.capturing.add(s)
+    fake.launched.clear()
+    step(canary, batch, s)
+    assert "kvc_snapshot" not in fake.launched and len(fake.launched) == 5
+    assert canary.pump.launches == n_snap and canary.step == step_no
+    canary.poll(s)                     # a poll during capture does nothing either
+    assert canary.pump.launches == n_snap and canary.step == step_no
+    fake.capturing.clear()
+    for _ in range(3):                 # "replays": the captured stages run, the host says so
+        step(canary, batch, s)
+    fake.run()
+    canary.flush()
+    canary.health_check()              # the capture itself was not counted
+
+
+def test_health_check_sees_a_launch_that_never_ran(fake):
+    canary, batch, _ = make_canary()
+    s = stream(fake)
+    step(canary, batch, s)
+    fake.pending[s] = [e for e in fake.pending[s] if e[0] != "kvc_write"]  # lost on the device
+    step(canary, batch, s)
+    canary.flush()
+    with pytest.raises(kc.KvCanaryError, match="TAIL_K_FULL write: ran 1 of 2"):
+        canary.health_check()
+
+
+def test_launches_are_repacked_only_when_a_batch_field_is_another_object(fake):
+    from kvcanary import memory
+    canary, batch, _ = make_canary()
+    s = stream(fake)
+    step(canary, batch, s)
+    packed = canary._hot["HEAD"][2]
+    step(canary, kc.Batch(**batch.__dict__), s)      # another Batch of the same arrays
+    assert canary._hot["HEAD"][2] is packed
+    batch.out_cache_loc = memory.to_device(np.array([10], np.int64))
+    step(canary, batch, s)
+    assert canary._hot["HEAD"][2] is not packed
+    write = canary._hot["HEAD"][2][-1]
+    assert write.params.out_cache_loc == batch.out_cache_loc.ptr
+    batch.expected_token_offset = 1                  # a scalar field counts too
+    head = canary._hot["HEAD"][2]
+    step(canary, batch, s)
+    assert canary._hot["HEAD"][2] is not head
