@@ -24,24 +24,28 @@ __device__ __forceinline__ long long kvc_clamp(long long v, long long lo, long l
 }
 
 // Fingerprint of one source strip: h = sm(h ^ w) over little-endian 64-bit words, 16-byte loads,
-// four loads in flight before the first fold.
+// eight loads (128 bytes) in flight before the first fold.
 __device__ __forceinline__ uint64_t kvc_fold_strip(const KvcSourceDesc& s, long long slot) {
-  const long long row = slot / s.page_size, col = slot - row * s.page_size;
+  const long long row = s.page_size == 1 ? slot : slot / s.page_size, col = slot - row * s.page_size;
   const ulonglong2* p = reinterpret_cast<const ulonglong2*>(s.base + row * s.row_stride +
                                                              col * (long long)s.bytes_per_token);
   const int n = s.hash_bytes >> 4;
   uint64_t h = 0;
   int i = 0;
-  for (; i + 4 <= n; i += 4) {
-    ulonglong2 v0 = __ldg(p + i), v1 = __ldg(p + i + 1), v2 = __ldg(p + i + 2), v3 = __ldg(p + i + 3);
-    h = kvc_sm(h ^ v0.x); h = kvc_sm(h ^ v0.y);
-    h = kvc_sm(h ^ v1.x); h = kvc_sm(h ^ v1.y);
-    h = kvc_sm(h ^ v2.x); h = kvc_sm(h ^ v2.y);
-    h = kvc_sm(h ^ v3.x); h = kvc_sm(h ^ v3.y);
+  for (; i + 8 <= n; i += 8) {
+    ulonglong2 v[8];
+#pragma unroll
+    for (int k = 0; k < 8; ++k) v[k] = __ldg(p + i + k);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      h = kvc_sm(h ^ v[k].x);
+      h = kvc_sm(h ^ v[k].y);
+    }
   }
   for (; i < n; ++i) {
-    ulonglong2 v = __ldg(p + i);
-    h = kvc_sm(h ^ v.x); h = kvc_sm(h ^ v.y);
+    const ulonglong2 v = __ldg(p + i);
+    h = kvc_sm(h ^ v.x);
+    h = kvc_sm(h ^ v.y);
   }
   return h;
 }
@@ -151,29 +155,53 @@ __device__ __forceinline__ long long kvc_rtt(const B& b, long long row, long lon
   return (long long)b.req_to_token[row * b.rtt_row_stride + pos];
 }
 
+// Expected token of request r's entry at `pos` (SPEC §8), -1 when there is none.
+template <class B>
+__device__ __forceinline__ long long kvc_expected_token(const B& b, long long r, const KvcRequest& q,
+                                                        long long pos) {
+  if (b.expected_pool == 0) return KVC_NO_EXPECTED_TOKEN;
+  const long long at = pos + b.expected_token_offset;
+  long long valid = b.expected_valid_lens != 0 ? b.expected_valid_lens[r] : b.expected_pool_len;
+  if (valid > b.expected_pool_len) valid = b.expected_pool_len;
+  return (at >= 0 && at < valid) ? b.expected_pool[q.row * b.expected_row_stride + at] : KVC_NO_EXPECTED_TOKEN;
+}
+
 // Slot, predecessor and expected token of request r's entry at `pos`.
 template <class B>
 __device__ __forceinline__ void kvc_entry(const B& b, long long r, const KvcRequest& q, long long pos,
                                           long long* slot, long long* prev, long long* expected_token) {
   *slot = kvc_map_slot(b, kvc_rtt(b, q.row, pos));
   *prev = pos > 0 ? kvc_map_slot(b, kvc_rtt(b, q.row, pos - 1)) : KVC_CHAIN_HEAD;
-  long long tok = KVC_NO_EXPECTED_TOKEN;
-  if (b.expected_pool != 0) {
-    const long long at = pos + b.expected_token_offset;
-    long long valid = b.expected_valid_lens != 0 ? b.expected_valid_lens[r] : b.expected_pool_len;
-    if (valid > b.expected_pool_len) valid = b.expected_pool_len;
-    if (at >= 0 && at < valid) tok = b.expected_pool[q.row * b.expected_row_stride + at];
-  }
-  *expected_token = tok;
+  *expected_token = kvc_expected_token(b, r, q, pos);
 }
 
-// Request owning flat entry e: the last r with entry_offsets[r] <= e (offsets non-decreasing).
+// Request owning flat entry e among requests [lo, hi): the last r with entry_offsets[r] <= e
+// (offsets are non-decreasing and entry_offsets[lo] <= e).
 template <class B>
-__device__ __forceinline__ long long kvc_owner(const B& b, long long e) {
-  long long lo = 0, hi = b.batch_size;  // answer in [lo, hi)
+__device__ __forceinline__ long long kvc_owner_in(const B& b, long long e, long long lo, long long hi) {
   while (hi - lo > 1) {
     const long long mid = (lo + hi) >> 1;
     if (b.entry_offsets[mid] <= e) lo = mid; else hi = mid;
   }
   return lo;
+}
+
+template <class B>
+__device__ __forceinline__ long long kvc_owner(const B& b, long long e) {
+  return kvc_owner_in(b, e, 0, b.batch_size);
+}
+
+// Owners of entries e0 <= e1, the two searches interleaved so their loads overlap.
+template <class B>
+__device__ __forceinline__ void kvc_owner2(const B& b, long long e0, long long e1, long long* r0, long long* r1) {
+  long long lo0 = 0, hi0 = b.batch_size, lo1 = 0, hi1 = b.batch_size;
+  while (hi0 - lo0 > 1 || hi1 - lo1 > 1) {
+    const long long m0 = (lo0 + hi0) >> 1, m1 = (lo1 + hi1) >> 1;
+    const bool go0 = hi0 - lo0 > 1, go1 = hi1 - lo1 > 1;
+    const long long o0 = go0 ? b.entry_offsets[m0] : 0, o1 = go1 ? b.entry_offsets[m1] : 0;
+    if (go0) { if (o0 <= e0) lo0 = m0; else hi0 = m0; }
+    if (go1) { if (o1 <= e1) lo1 = m1; else hi1 = m1; }
+  }
+  *r0 = lo0;
+  *r1 = lo1;
 }

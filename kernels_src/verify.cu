@@ -1,37 +1,366 @@
 // Verify kernels (SPEC §6). kvc_verify reads a materialised VerifyPlan; kvc_fused_verify derives
 // every entry from the engine's req_to_token and the per-request entry offsets of kvc_prepare, so
 // the per-entry plan never touches memory. Both are graph-safe: every per-step value is read from
-// device memory. Grid-stride over entries; any grid size is correct.
+// device memory. Any grid size is correct (grid-stride over warp tiles).
+//
+// Work is cut into warp tiles of consecutive entries: lane l holds entries v * 32 + l, v < VT, so
+// every load of a tile is issued before the first result is needed, and entry e's predecessor
+// entry e - 1 sits in the neighbouring lane. In a request's run of entries that predecessor entry
+// is e's predecessor slot, so its chain value is shuffled across instead of loaded again: a tile
+// reads each record once. The *_wide variants (fingerprints of 64 bytes or more per source) fetch
+// the real-KV strips of a warp cooperatively, coalesced and staged through shared memory, and fold
+// each strip in its own lane.
 #include "common.cuh"
 
-extern "C" __global__ void __launch_bounds__(256) kvc_verify(const __grid_constant__ KvcVerifyParams p) {
-  const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (tid == 0) atomicAdd(p.kernel_run_counter, 1ULL);
-  if (*p.plan_enable == 0) return;
-  const long long active = kvc_clamp(*p.plan_num_valid, 0, p.plan_capacity);
-  if (tid == 0) atomicAdd(p.slot_run_counter, (unsigned long long)active);
-  const bool check = p.check_expected_token != 0;
-  const long long stride = (long long)gridDim.x * blockDim.x;
-  for (long long e = tid; e < active; e += stride)
-    kvc_verify_entry(p, p.plan_slot[e], p.plan_expected_token[e], p.plan_expected_position[e],
-                     p.plan_prev_slot[e], check);
+#ifndef KVC_VERIFY_VT
+#define KVC_VERIFY_VT 2  // entries per lane in a tile (keep ops._VERIFY_TILE in step)
+#endif
+#ifndef KVC_VERIFY_MIN_BLOCKS
+#define KVC_VERIFY_MIN_BLOCKS 4  // per SM: caps the narrow kernels at 64 registers (measured best on H200)
+#endif
+#define KVC_VERIFY_THREADS 256
+#define KVC_WIDE_PIECES 4  // 16-byte pieces of each strip staged per round: 64 bytes
+#define KVC_WIDE_DEPTH 2   // rounds in flight per warp
+#define KVC_WIDE_STRIPS_PER_LOAD (32 / KVC_WIDE_PIECES)
+#define KVC_WIDE_LOADS (32 / KVC_WIDE_STRIPS_PER_LOAD)
+
+struct KvcRecord {
+  long long token, position;
+  uint64_t prev_hash, real_kv_hash;
+};
+
+// One warp's staging area: KVC_WIDE_DEPTH rounds in flight, a row of pieces per lane's strip (+1
+// piece so rows start in other banks).
+struct KvcWideStage {
+  ulonglong2 piece[KVC_WIDE_DEPTH][32][KVC_WIDE_PIECES + 1];
+};
+
+// 16 bytes global -> shared without registers (cp.async, sm_80+); zero-fills when !valid.
+__device__ __forceinline__ void kvc_copy16_async(ulonglong2* dst, const ulonglong2* src, bool valid) {
+  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void kvc_copy_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void kvc_copy_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+template <class P>
+__device__ __forceinline__ KvcRecord kvc_load_record(const P& p, long long slot, bool vec) {
+  const long long* f = kvc_slot(p, slot);
+  long long w[4];
+  if (vec) {
+    const longlong2 a = __ldg(reinterpret_cast<const longlong2*>(f)), b = __ldg(reinterpret_cast<const longlong2*>(f) + 1);
+    w[0] = a.x; w[1] = a.y; w[2] = b.x; w[3] = b.y;
+  } else {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) w[k] = __ldg(f + k);
+  }
+  return {w[KVC_FIELD_TOKEN], w[KVC_FIELD_POSITION], (uint64_t)w[KVC_FIELD_PREV_HASH], (uint64_t)w[KVC_FIELD_REAL_KV_HASH]};
 }
 
-extern "C" __global__ void __launch_bounds__(256)
-kvc_fused_verify(const __grid_constant__ KvcFusedVerifyParams p) {
-  const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (tid == 0) atomicAdd(p.kernel_run_counter, 1ULL);
-  if (*p.verify_enable == 0) return;
-  const long long active = kvc_clamp(*p.verify_num_valid, 0, p.verify_capacity);
-  if (tid == 0) atomicAdd(p.slot_run_counter, (unsigned long long)active);
-  const bool check = p.check_expected_token != 0;
-  const long long stride = (long long)gridDim.x * blockDim.x;
-  for (long long e = tid; e < active; e += stride) {
-    const long long r = kvc_owner(p, e);
-    const KvcRequest q = kvc_request(p, r);
-    long long slot, prev, tok;
-    const long long pos = q.lo + (e - p.entry_offsets[r]);
-    kvc_entry(p, r, q, pos, &slot, &prev, &tok);
-    kvc_verify_entry(p, slot, tok, pos, prev, check);
+// Strip address of `slot` in source s (SPEC §4).
+__device__ __forceinline__ const ulonglong2* kvc_strip(const KvcSourceDesc& s, long long slot) {
+  const long long row = s.page_size == 1 ? slot : slot / s.page_size, col = slot - row * s.page_size;
+  return reinterpret_cast<const ulonglong2*>(s.base + row * s.row_stride + col * (long long)s.bytes_per_token);
+}
+
+// Fingerprint of `slot`, one 16-byte load at a time: few registers, for short strips.
+template <class P>
+__device__ __forceinline__ uint64_t kvc_fingerprint_narrow(const P& p, long long slot) {
+  uint64_t total = 0;
+  for (int i = 0; i < p.num_sources; ++i) {
+    const ulonglong2* q = kvc_strip(p.sources[i], slot);
+    uint64_t h = 0;
+    for (int k = 0; k < (p.sources[i].hash_bytes >> 4); ++k) {
+      const ulonglong2 w = __ldg(q + k);
+      h = kvc_sm(h ^ w.x);
+      h = kvc_sm(h ^ w.y);
+    }
+    total = kvc_sm(total ^ h);
   }
+  return total;
+}
+
+// Fingerprint of lane's `slot` (0 unless `own`), the strips fetched by the whole warp: each round
+// copies 64 contiguous bytes of every strip straight into shared memory (8 strips per instruction,
+// two rounds in flight), and every lane folds its own strip from there. Every lane of the warp must
+// call it.
+template <class P>
+__device__ __forceinline__ uint64_t kvc_fingerprint_warp(const P& p, long long slot, bool own, KvcWideStage& st) {
+  const int lane = threadIdx.x & 31, sub = lane % KVC_WIDE_PIECES, grp = lane / KVC_WIDE_PIECES;
+  const ulonglong2* dummy = reinterpret_cast<const ulonglong2*>(p.canary);  // never read: zero-size copies
+  uint64_t total = 0;
+  for (int i = 0; i < p.num_sources; ++i) {
+    const KvcSourceDesc& s = p.sources[i];
+    const unsigned long long mine = own ? (unsigned long long)kvc_strip(s, slot) : 0;
+    const ulonglong2* src[KVC_WIDE_LOADS];  // strip k * STRIPS_PER_LOAD + grp, of another lane
+#pragma unroll
+    for (int k = 0; k < KVC_WIDE_LOADS; ++k)
+      src[k] = reinterpret_cast<const ulonglong2*>(__shfl_sync(KVC_FULL_MASK, mine, k * KVC_WIDE_STRIPS_PER_LOAD + grp));
+    const int n = s.hash_bytes >> 4;
+    auto issue = [&](int c) {  // round c: pieces [c * PIECES, (c + 1) * PIECES) of every strip
+      const int piece = c * KVC_WIDE_PIECES + sub;
+#pragma unroll
+      for (int k = 0; k < KVC_WIDE_LOADS; ++k) {
+        const bool valid = src[k] != 0 && piece < n;
+        kvc_copy16_async(&st.piece[c % KVC_WIDE_DEPTH][k * KVC_WIDE_STRIPS_PER_LOAD + grp][sub],
+                         valid ? src[k] + piece : dummy, valid);
+      }
+      kvc_copy_commit();  // one group per round, empty rounds included, so the counts line up
+    };
+    __syncwarp();  // the previous source's folds have read the stage
+#pragma unroll
+    for (int c = 0; c < KVC_WIDE_DEPTH; ++c) issue(c);
+    uint64_t h = 0;
+    for (int c = 0; c * KVC_WIDE_PIECES < n; ++c) {
+      kvc_copy_wait<KVC_WIDE_DEPTH - 1>();  // this lane's copies of round c have landed
+      __syncwarp();                          // ... and every other lane's
+      const ulonglong2* row = st.piece[c % KVC_WIDE_DEPTH][lane];
+      const int m = n - c * KVC_WIDE_PIECES < KVC_WIDE_PIECES ? n - c * KVC_WIDE_PIECES : KVC_WIDE_PIECES;
+      for (int j = 0; j < m; ++j) {
+        const ulonglong2 w = row[j];
+        h = kvc_sm(h ^ w.x);
+        h = kvc_sm(h ^ w.y);
+      }
+      __syncwarp();  // every lane has read round c's buffer
+      issue(c + KVC_WIDE_DEPTH);
+    }
+    total = kvc_sm(total ^ h);
+  }
+  kvc_copy_wait<0>();
+  return own ? total : 0;
+}
+
+// Launch prologue (SPEC §6 step 1): count the launch; the number of active entries, or -1 when
+// the plan is disabled.
+template <class P>
+__device__ __forceinline__ long long kvc_verify_begin(const P& p, const int* enable, const int* num_valid,
+                                                      long long capacity) {
+  const bool first = blockIdx.x == 0 && threadIdx.x == 0;
+  if (first) atomicAdd(p.kernel_run_counter, 1ULL);
+  if (*enable == 0) return -1;
+  const long long active = kvc_clamp(*num_valid, 0, capacity);
+  if (first) atomicAdd(p.slot_run_counter, (unsigned long long)active);
+  return active;
+}
+
+// `x[v]` of the lane holding the entry before this lane's entry v: lane - 1, or lane 31 of v - 1
+// for lane 0 (lane 0 of v = 0 gets its own value: nothing precedes it in the tile).
+template <int VT, class T>
+__device__ __forceinline__ T kvc_from_prev_entry(const T* x, int v) {
+  T up = __shfl_up_sync(KVC_FULL_MASK, x[v], 1);
+  if (v > 0) {
+    const T wrap = __shfl_sync(KVC_FULL_MASK, x[v > 0 ? v - 1 : 0], 31);
+    if ((threadIdx.x & 31) == 0) up = wrap;
+  }
+  return up;
+}
+
+// One warp tile. Lane l holds tile entry i = v * 32 + l (v < VT): `held` entries are plan entries
+// (i = 0 holds the entry before the tile's first, for its chain value only); `live` ones are
+// verified. `nb_prev[v]`: the entry held before this one (i - 1) is its predecessor slot, so its
+// chain value is shuffled across instead of loaded again. SPEC §6 steps 2-3 for every live entry.
+// Every lane of the warp must call it (shuffles).
+template <int VT, bool WIDE, class P>
+__device__ __forceinline__ void kvc_verify_tile(const P& p, const long long* slot, const long long* prev,
+                                                const long long* etok, const long long* epos, const bool* held,
+                                                const bool* live, const bool* nb_prev, bool check,
+                                                KvcWideStage* stage) {
+  const bool vec = (p.slot_stride_words & 1) == 0 && ((unsigned long long)p.canary & 15) == 0;
+  bool own[VT], direct[VT];  // loads this entry's record; loads the predecessor's record itself
+#pragma unroll
+  for (int v = 0; v < VT; ++v) {
+    own[v] = held[v] && slot[v] > 0 && slot[v] < p.num_slots;
+    direct[v] = live[v] && own[v] && prev[v] > 0 && prev[v] < p.num_slots && !nb_prev[v];
+  }
+  KvcRecord rec[VT];
+#pragma unroll
+  for (int v = 0; v < VT; ++v) rec[v] = own[v] ? kvc_load_record(p, slot[v], vec) : KvcRecord{0, 0, 0, 0};
+  uint64_t prev_hash[VT];  // chain value expected from a predecessor loaded directly (rare)
+#pragma unroll
+  for (int v = 0; v < VT; ++v) {
+    prev_hash[v] = 0;
+    if (direct[v]) {
+      const KvcRecord r = kvc_load_record(p, prev[v], vec);
+      prev_hash[v] = kvc_mix3(r.prev_hash, (uint64_t)r.token, (uint64_t)r.position);
+    }
+  }
+  uint64_t rkv[VT];
+#pragma unroll
+  for (int v = 0; v < VT; ++v) {
+    if (WIDE) rkv[v] = kvc_fingerprint_warp(p, slot[v], own[v] && live[v], stage[threadIdx.x >> 5]);
+    else rkv[v] = own[v] && live[v] ? kvc_fingerprint_narrow(p, slot[v]) : 0;
+  }
+  uint64_t succ[VT], nb_hash[VT];  // the chain value a successor of this lane's slot expects
+#pragma unroll
+  for (int v = 0; v < VT; ++v) succ[v] = kvc_mix3(rec[v].prev_hash, (uint64_t)rec[v].token, (uint64_t)rec[v].position);
+#pragma unroll
+  for (int v = 0; v < VT; ++v) nb_hash[v] = kvc_from_prev_entry<VT>(succ, v);
+#pragma unroll
+  for (int v = 0; v < VT; ++v) {
+    if (!live[v] || slot[v] == KVC_PADDING_SLOT) continue;
+    if (!own[v]) {
+      kvc_record(p, slot[v], epos[v], 0, KVC_NO_EXPECTED_TOKEN, 0, 0, KVC_SLOT_OUT_OF_RANGE);
+      continue;
+    }
+    const KvcRecord& r = rec[v];
+    long long bits = 0;
+    uint64_t expected_chain = r.prev_hash;
+    if (prev[v] < 0) {
+      expected_chain = kvc_sm(KVC_ANCHOR);
+    } else if (prev[v] >= p.num_slots) {
+      expected_chain = 0;
+      bits |= KVC_VERIFY_CHAIN_HASH_MISMATCH | KVC_SLOT_OUT_OF_RANGE;
+    } else if (prev[v] != KVC_PADDING_SLOT) {
+      expected_chain = direct[v] ? prev_hash[v] : nb_hash[v];
+    }
+    if (r.prev_hash != expected_chain) bits |= KVC_VERIFY_CHAIN_HASH_MISMATCH;
+    if (r.position != epos[v]) bits |= KVC_VERIFY_POSITION_MISMATCH;
+    if (r.real_kv_hash != rkv[v]) bits |= KVC_VERIFY_REAL_KV_HASH_MISMATCH;
+    if (check && etok[v] != KVC_NO_EXPECTED_TOKEN && r.token != etok[v]) bits |= KVC_VERIFY_TOKEN_MISMATCH;
+    if (bits)
+      kvc_record(p, slot[v], r.position, r.token, check ? etok[v] : KVC_NO_EXPECTED_TOKEN, r.prev_hash,
+                 expected_chain, bits);
+  }
+}
+
+// Warp tiles over the entries: a tile verifies 32 * VT - 1 consecutive entries and also holds the
+// one before them, so every verified entry's predecessor entry is in the tile.
+template <int VT>
+struct KvcTiles {
+  static constexpr int kVerified = 32 * VT - 1;
+  long long first, step;
+  __device__ __forceinline__ KvcTiles() {
+    first = (((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5) * kVerified;
+    step = ((long long)gridDim.x * blockDim.x >> 5) * kVerified;
+  }
+};
+
+// Owners of entries e0 <= e1, searched by the whole warp: each round every lane tests one of 32
+// evenly spaced request offsets, so a batch of up to 1024 requests takes two rounds. All lanes
+// get the answers. Entry indices fit in 32 bits (plan capacities are at most INT32_MAX).
+template <class B>
+__device__ __forceinline__ void kvc_owner2_warp(const B& b, int e0, int e1, int* r0, int* r1) {
+  const int lane = threadIdx.x & 31;
+  int lo0 = 0, hi0 = (int)b.batch_size, lo1 = 0, hi1 = (int)b.batch_size;  // answers in [lo, hi)
+  while (hi0 - lo0 > 1 || hi1 - lo1 > 1) {
+    const int w0 = (hi0 - lo0 + 31) >> 5, w1 = (hi1 - lo1 + 31) >> 5;
+    const int i0 = lo0 + (lane + 1) * w0, i1 = lo1 + (lane + 1) * w1;
+    const bool ok0 = i0 < hi0 && (int)b.entry_offsets[i0] <= e0, ok1 = i1 < hi1 && (int)b.entry_offsets[i1] <= e1;
+    lo0 += __popc(__ballot_sync(KVC_FULL_MASK, ok0)) * w0;
+    hi0 = min(hi0, lo0 + w0);
+    lo1 += __popc(__ballot_sync(KVC_FULL_MASK, ok1)) * w1;
+    hi1 = min(hi1, lo1 + w1);
+  }
+  *r0 = lo0;
+  *r1 = lo1;
+}
+
+// What the fused verify needs of request r: its req_to_token row, first verified position and
+// first entry.
+struct KvcFusedReq {
+  const int* rtt_row;
+  int lo, off;
+};
+
+template <class B>
+__device__ __forceinline__ KvcFusedReq kvc_fused_req(const B& b, int r) {
+  const KvcRequest q = kvc_request(b, r);
+  return {b.req_to_token + q.row * b.rtt_row_stride, (int)q.lo, (int)b.entry_offsets[r]};
+}
+
+template <int VT, bool WIDE>
+__device__ __forceinline__ void kvc_verify_plan(const KvcVerifyParams& p, KvcWideStage* stage) {
+  const long long active = kvc_verify_begin(p, p.plan_enable, p.plan_num_valid, p.plan_capacity);
+  const bool check = p.check_expected_token != 0;
+  const int lane = threadIdx.x & 31;
+  const KvcTiles<VT> t;
+  for (long long first = t.first; first < active; first += t.step) {
+    long long slot[VT], prev[VT], etok[VT], epos[VT];
+    bool held[VT], live[VT], nb_prev[VT];
+#pragma unroll
+    for (int v = 0; v < VT; ++v) {
+      const int i = v * 32 + lane;
+      const long long e = first - 1 + i;
+      held[v] = e >= 0 && e < active;
+      live[v] = held[v] && i > 0;
+      const long long at = held[v] ? e : first;
+      slot[v] = p.plan_slot[at];
+      prev[v] = p.plan_prev_slot[at];
+      etok[v] = p.plan_expected_token[at];
+      epos[v] = p.plan_expected_position[at];
+    }
+#pragma unroll
+    for (int v = 0; v < VT; ++v) {
+      const long long nb = kvc_from_prev_entry<VT>(slot, v);
+      nb_prev[v] = live[v] && first - 2 + v * 32 + lane >= 0 && nb == prev[v];
+    }
+    kvc_verify_tile<VT, WIDE>(p, slot, prev, etok, epos, held, live, nb_prev, check, stage);
+  }
+}
+
+template <int VT, bool WIDE>
+__device__ __forceinline__ void kvc_verify_fused(const KvcFusedVerifyParams& p, KvcWideStage* stage) {
+  const int active = (int)kvc_verify_begin(p, p.verify_enable, p.verify_num_valid, p.verify_capacity);
+  const bool check = p.check_expected_token != 0;
+  const int lane = threadIdx.x & 31;
+  constexpr int kVerified = KvcTiles<VT>::kVerified;
+  const KvcTiles<VT> t;
+  for (long long first64 = t.first; first64 < active; first64 += t.step) {
+    const int first = (int)first64;
+    const int last = (active - first > kVerified ? first + kVerified : active) - 1;
+    int r_first, r_last;  // owners of the tile's first and last held entries
+    kvc_owner2_warp(p, first > 0 ? first - 1 : 0, last, &r_first, &r_last);
+    const KvcFusedReq q_first = kvc_fused_req(p, r_first);
+    long long slot[VT], prev[VT], etok[VT], epos[VT];
+    int raw[VT], raw_prev[VT];
+    bool held[VT], live[VT], inner[VT];
+#pragma unroll
+    for (int v = 0; v < VT; ++v) {  // every index load of the tile first
+      const int i = v * 32 + lane, e = first - 1 + i;
+      held[v] = e >= 0 && e < active;
+      live[v] = held[v] && i > 0;
+      const int at = held[v] ? e : last;
+      int r = r_first;
+      KvcFusedReq q = q_first;
+      if (r_first != r_last) {
+        r = (int)kvc_owner_in(p, at, r_first, r_last + 1);
+        if (r != r_first) q = kvc_fused_req(p, r);
+      }
+      const int pos = q.lo + (at - q.off);
+      inner[v] = live[v] && pos > q.lo;  // the entry held before this one is this request's pos - 1
+      raw[v] = q.rtt_row[pos];
+      raw_prev[v] = (live[v] && !inner[v] && pos > 0) ? q.rtt_row[pos - 1] : 0;
+      etok[v] = KVC_NO_EXPECTED_TOKEN;
+      if (p.expected_pool != 0 && live[v]) etok[v] = kvc_expected_token(p, r, kvc_request(p, r), pos);
+      epos[v] = pos;
+    }
+#pragma unroll
+    for (int v = 0; v < VT; ++v) {
+      slot[v] = kvc_map_slot(p, raw[v]);
+      const long long nb = kvc_from_prev_entry<VT>(slot, v);
+      prev[v] = inner[v] ? nb : (epos[v] > 0 ? kvc_map_slot(p, raw_prev[v]) : KVC_CHAIN_HEAD);
+    }
+    kvc_verify_tile<VT, WIDE>(p, slot, prev, etok, epos, held, live, inner, check, stage);
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(KVC_VERIFY_THREADS, KVC_VERIFY_MIN_BLOCKS) kvc_verify(const __grid_constant__ KvcVerifyParams p) {
+  kvc_verify_plan<KVC_VERIFY_VT, false>(p, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(KVC_VERIFY_THREADS, 3) kvc_verify_wide(const __grid_constant__ KvcVerifyParams p) {
+  __shared__ KvcWideStage stage[KVC_VERIFY_THREADS / 32];
+  kvc_verify_plan<1, true>(p, stage);
+}
+
+extern "C" __global__ void __launch_bounds__(KVC_VERIFY_THREADS, KVC_VERIFY_MIN_BLOCKS)
+kvc_fused_verify(const __grid_constant__ KvcFusedVerifyParams p) {
+  kvc_verify_fused<KVC_VERIFY_VT, false>(p, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(KVC_VERIFY_THREADS, 3)
+kvc_fused_verify_wide(const __grid_constant__ KvcFusedVerifyParams p) {
+  __shared__ KvcWideStage stage[KVC_VERIFY_THREADS / 32];
+  kvc_verify_fused<1, true>(p, stage);
 }

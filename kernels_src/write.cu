@@ -1,12 +1,15 @@
-// Write kernel (SPEC §7). One block per request (grid-stride over requests), entries in chunks.
-// While warp 0 advances the serial chain over chunk k (lane 0, reading tokens and positions from
-// shared memory), warps 1.. load chunk k+1 and fingerprint its slots' real KV; then every thread
-// checks and stores one entry of chunk k. A long prefill is thus bound by the chain's arithmetic,
-// not by memory latency or the real-KV folds. Graph-safe: per-step values live on the device.
+// Write kernel (SPEC §7). One block per request (grid-stride over requests), entries in chunks of
+// 224, three chunks in flight: while thread 0 advances the serial chain over chunk k (reading
+// tokens and positions from shared memory), warps 1.. check and store chunk k - 1 with the chain
+// values thread 0 produced for it, then load chunk k + 1 and fingerprint its slots' real KV. One
+// barrier per chunk; the chain thread never waits for memory, so a long prefill is bound by the
+// chain's arithmetic, not by memory latency, the real-KV folds or the stores. Graph-safe: per-step
+// values live on the device.
 #include "common.cuh"
 
 #define KVC_WRITE_THREADS 256
-#define KVC_WRITE_CHUNK 256
+#define KVC_WRITE_WORKERS (KVC_WRITE_THREADS - 32)  // warps 1..: loads, folds and stores
+#define KVC_WRITE_CHUNK KVC_WRITE_WORKERS       // one entry per worker thread per chunk
 
 struct KvcWriteStage {
   long long slot[KVC_WRITE_CHUNK];
@@ -15,10 +18,16 @@ struct KvcWriteStage {
   uint64_t rkv[KVC_WRITE_CHUNK];
 };
 
+// What the chain thread leaves for the stores of a chunk.
+struct KvcWriteChain {
+  uint64_t prev_hash[KVC_WRITE_CHUNK];  // PREV_HASH stored by each entry
+  long long position[KVC_WRITE_CHUNK];  // the position asserted against (+1) per entry
+};
+
 // Entries [base, min(base + CHUNK, end)) into `st`; slot -1 pads the tail of the chunk.
 __device__ __forceinline__ void kvc_write_load(const KvcWriteParams& p, KvcWriteStage& st, long long base,
-                                               long long end, int t, int nthreads) {
-  for (int j = t; j < KVC_WRITE_CHUNK; j += nthreads) {
+                                               long long end, int t) {
+  for (int j = t; j < KVC_WRITE_CHUNK; j += KVC_WRITE_WORKERS) {
     const long long i = base + j;
     long long slot = -1, token = 0, position = 0;
     uint64_t rkv = 0;
@@ -49,11 +58,89 @@ __device__ __forceinline__ void kvc_chain_group(const KvcWriteStage& st, int j0,
   }
 }
 
+// One chain step: record the values entry j stores, then advance on its actual token and position.
+__device__ __forceinline__ void kvc_chain_step(const KvcWriteParams& p, KvcWriteChain& out, int j, long long slot,
+                                               long long token, long long position, uint64_t& running,
+                                               long long& running_pos) {
+  out.prev_hash[j] = running;
+  out.position[j] = running_pos;
+  const bool stamp = slot >= 0 && slot < p.num_slots;
+  const uint64_t next = kvc_mix3(running, (uint64_t)token, (uint64_t)position);
+  running = stamp ? next : running;
+  running_pos = stamp ? position : running_pos;
+}
+
+// The chain over the n entries of a staged chunk (thread 0). Groups of 8: the next group is read
+// from shared memory before this group's mix3 steps, full groups run without a branch, and
+// skipped entries select instead of branching, so only the arithmetic is serial.
+__device__ __forceinline__ void kvc_write_chain(const KvcWriteParams& p, const KvcWriteStage& st, int n,
+                                                KvcWriteChain& out, uint64_t& running, long long& running_pos) {
+  long long s0[KVC_CHAIN_GROUP], t0[KVC_CHAIN_GROUP], q0[KVC_CHAIN_GROUP];
+  kvc_chain_group(st, 0, s0, t0, q0);
+  for (int j0 = 0; j0 < n; j0 += KVC_CHAIN_GROUP) {
+    long long s1[KVC_CHAIN_GROUP], t1[KVC_CHAIN_GROUP], q1[KVC_CHAIN_GROUP];
+    kvc_chain_group(st, j0 + KVC_CHAIN_GROUP, s1, t1, q1);
+    if (j0 + KVC_CHAIN_GROUP <= n) {
+#pragma unroll
+      for (int u = 0; u < KVC_CHAIN_GROUP; ++u)
+        kvc_chain_step(p, out, j0 + u, s0[u], t0[u], q0[u], running, running_pos);
+    } else {
+#pragma unroll
+      for (int u = 0; u < KVC_CHAIN_GROUP; ++u)
+        if (j0 + u < n) kvc_chain_step(p, out, j0 + u, s0[u], t0[u], q0[u], running, running_pos);
+    }
+#pragma unroll
+    for (int u = 0; u < KVC_CHAIN_GROUP; ++u) {
+      s0[u] = s1[u];
+      t0[u] = t1[u];
+      q0[u] = q1[u];
+    }
+  }
+}
+
+// Check and store the n entries of a chunk whose chain values are in `ch` (worker threads).
+// Returns the entries this thread stamped.
+__device__ __forceinline__ unsigned kvc_write_store(const KvcWriteParams& p, const KvcWriteStage& st,
+                                                    const KvcWriteChain& ch, long long base, int n, int t,
+                                                    bool has_expected, bool pos_assert) {
+  unsigned stamped = 0;
+  for (int j = t; j < n; j += KVC_WRITE_WORKERS) {
+    const long long slot = st.slot[j], token = st.token[j], position = st.position[j];
+    const uint64_t chain = ch.prev_hash[j];
+    const long long i = base + j;
+    if (slot >= p.num_slots) {
+      kvc_record(p, slot, position, token, KVC_NO_EXPECTED_TOKEN, chain, 0, KVC_SLOT_OUT_OF_RANGE);
+      continue;
+    }
+    if (slot < 0) continue;
+    if (has_expected) {
+      const long long et = p.expected_input_ids[i], ep = p.expected_positions[i];
+      const long long bits = (token != et ? KVC_WRITE_TOKEN_MISMATCH : 0) |
+                             (position != ep ? KVC_WRITE_POSITION_MISMATCH : 0);
+      if (bits) kvc_record(p, slot, position, token, et, chain, (uint64_t)ep, bits);
+    }
+    if (pos_assert && position != ch.position[j] + 1)
+      kvc_record(p, slot, position, token, KVC_NO_EXPECTED_TOKEN, chain, (uint64_t)(ch.position[j] + 1),
+                 KVC_WRITE_POSITION_MISMATCH);
+    ++stamped;
+    bool repeated = false;  // a slot repeated in one chunk: only its last occurrence stores
+#pragma unroll 8
+    for (int k = j + 1; k < n; ++k) repeated |= st.slot[k] == slot;
+    if (!repeated) {
+      long long* f = p.canary + slot * p.slot_stride_words;
+      f[KVC_FIELD_TOKEN] = token;
+      f[KVC_FIELD_POSITION] = position;
+      f[KVC_FIELD_PREV_HASH] = (long long)chain;
+      f[KVC_FIELD_REAL_KV_HASH] = (long long)st.rkv[j];
+    }
+  }
+  return stamped;
+}
+
 extern "C" __global__ void __launch_bounds__(KVC_WRITE_THREADS) kvc_write(const __grid_constant__ KvcWriteParams p) {
-  __shared__ KvcWriteStage stage[2];
-  __shared__ uint64_t chain[KVC_WRITE_CHUNK];     // PREV_HASH stored by each entry of the chunk
-  __shared__ long long chain_pos[KVC_WRITE_CHUNK];  // position asserted against (+1) per entry
-  const int tid = threadIdx.x, warp = tid >> 5;
+  __shared__ KvcWriteStage stage[3];   // chunk k % 3: chained, stored (k - 1) and loaded (k + 1) at once
+  __shared__ KvcWriteChain chain[2];   // chain values of chunk k % 2
+  const int tid = threadIdx.x, worker = tid - 32;
   if (blockIdx.x == 0 && tid == 0) atomicAdd(p.kernel_run_counter, 1ULL);
   const long long num_reqs = kvc_clamp(*p.num_valid_reqs, 0, p.req_capacity);
   const long long T = p.num_tokens;
@@ -65,9 +152,11 @@ extern "C" __global__ void __launch_bounds__(KVC_WRITE_THREADS) kvc_write(const 
     const long long start = kvc_clamp(p.offsets[r], 0, T);
     const long long end = kvc_clamp(p.offsets[r + 1], start, T);
     const long long seed = p.seed[r];
+    const int chunks = (int)((end - start + KVC_WRITE_CHUNK - 1) / KVC_WRITE_CHUNK);
     uint64_t running = kvc_sm(KVC_ANCHOR);  // meaningful in thread 0, which runs the chain
     long long running_pos = 0;
     bool pos_assert = false;
+    __syncthreads();  // the previous request's chunks are consumed
     if (seed >= p.num_slots) {
       if (tid == 0) kvc_record(p, seed, -1, 0, KVC_NO_EXPECTED_TOKEN, 0, 0, KVC_SLOT_OUT_OF_RANGE);
     } else if (seed >= 0) {
@@ -77,73 +166,25 @@ extern "C" __global__ void __launch_bounds__(KVC_WRITE_THREADS) kvc_write(const 
         running_pos = kvc_slot(p, seed)[KVC_FIELD_POSITION];
       }
     }
-    __syncthreads();  // the previous request's last chunk is fully consumed
-    if (start < end) kvc_write_load(p, stage[0], start, end, tid, KVC_WRITE_THREADS);
+    if (worker >= 0 && chunks > 0) kvc_write_load(p, stage[0], start, end, worker);
     __syncthreads();
-    int buf = 0;
-    for (long long base = start; base < end; base += KVC_WRITE_CHUNK) {
-      const int n = (int)(end - base < KVC_WRITE_CHUNK ? end - base : KVC_WRITE_CHUNK);
-      const KvcWriteStage& st = stage[buf];
+    for (int k = 0; k <= chunks; ++k) {
+      const long long base = start + (long long)k * KVC_WRITE_CHUNK;
       if (tid == 0) {
-        // Groups of 8: the next group is read from shared memory before this group's mix3 steps,
-        // and skipped entries select instead of branching, so only the arithmetic is serial.
-        long long s0[KVC_CHAIN_GROUP], t0[KVC_CHAIN_GROUP], q0[KVC_CHAIN_GROUP];
-        kvc_chain_group(st, 0, s0, t0, q0);
-        for (int j0 = 0; j0 < n; j0 += KVC_CHAIN_GROUP) {
-          long long s1[KVC_CHAIN_GROUP], t1[KVC_CHAIN_GROUP], q1[KVC_CHAIN_GROUP];
-          kvc_chain_group(st, j0 + KVC_CHAIN_GROUP, s1, t1, q1);
-#pragma unroll
-          for (int u = 0; u < KVC_CHAIN_GROUP; ++u) {
-            if (j0 + u < n) {
-              chain[j0 + u] = running;
-              chain_pos[j0 + u] = running_pos;
-              const bool stamp = s0[u] >= 0 && s0[u] < p.num_slots;
-              const uint64_t next = kvc_mix3(running, (uint64_t)t0[u], (uint64_t)q0[u]);
-              running = stamp ? next : running;
-              running_pos = stamp ? q0[u] : running_pos;
-            }
-          }
-#pragma unroll
-          for (int u = 0; u < KVC_CHAIN_GROUP; ++u) {
-            s0[u] = s1[u];
-            t0[u] = t1[u];
-            q0[u] = q1[u];
-          }
+        if (k < chunks) {
+          const int n = (int)(end - base < KVC_WRITE_CHUNK ? end - base : KVC_WRITE_CHUNK);
+          kvc_write_chain(p, stage[k % 3], n, chain[k & 1], running, running_pos);
         }
-      } else if (warp > 0 && base + KVC_WRITE_CHUNK < end) {
-        kvc_write_load(p, stage[buf ^ 1], base + KVC_WRITE_CHUNK, end, tid - 32, KVC_WRITE_THREADS - 32);
+      } else if (worker >= 0) {
+        if (k > 0) {
+          const long long prev_base = base - KVC_WRITE_CHUNK;
+          const int n = (int)(end - prev_base < KVC_WRITE_CHUNK ? end - prev_base : KVC_WRITE_CHUNK);
+          stamped += kvc_write_store(p, stage[(k - 1) % 3], chain[(k - 1) & 1], prev_base, n, worker,
+                                     has_expected, pos_assert);
+        }
+        if (k + 1 < chunks) kvc_write_load(p, stage[(k + 1) % 3], base + KVC_WRITE_CHUNK, end, worker);
       }
       __syncthreads();
-      for (int j = tid; j < n; j += KVC_WRITE_THREADS) {
-        const long long slot = st.slot[j], token = st.token[j], position = st.position[j];
-        const long long i = base + j;
-        if (slot >= p.num_slots) {
-          kvc_record(p, slot, position, token, KVC_NO_EXPECTED_TOKEN, chain[j], 0, KVC_SLOT_OUT_OF_RANGE);
-          continue;
-        }
-        if (slot < 0) continue;
-        if (has_expected) {
-          const long long et = p.expected_input_ids[i], ep = p.expected_positions[i];
-          const long long bits = (token != et ? KVC_WRITE_TOKEN_MISMATCH : 0) |
-                                 (position != ep ? KVC_WRITE_POSITION_MISMATCH : 0);
-          if (bits) kvc_record(p, slot, position, token, et, chain[j], (uint64_t)ep, bits);
-        }
-        if (pos_assert && position != chain_pos[j] + 1)
-          kvc_record(p, slot, position, token, KVC_NO_EXPECTED_TOKEN, chain[j], (uint64_t)(chain_pos[j] + 1),
-                     KVC_WRITE_POSITION_MISMATCH);
-        ++stamped;
-        bool last = true;  // a slot repeated in one chunk: only its last occurrence stores
-        for (int k = j + 1; k < n && last; ++k) last = st.slot[k] != slot;
-        if (last) {
-          long long* f = p.canary + slot * p.slot_stride_words;
-          f[KVC_FIELD_TOKEN] = token;
-          f[KVC_FIELD_POSITION] = position;
-          f[KVC_FIELD_PREV_HASH] = (long long)chain[j];
-          f[KVC_FIELD_REAL_KV_HASH] = (long long)st.rkv[j];
-        }
-      }
-      __syncthreads();
-      buf ^= 1;
     }
   }
   const unsigned warp_stamped = __reduce_add_sync(KVC_FULL_MASK, stamped);

@@ -242,7 +242,9 @@ ECHO_BYTES = 4096  # size of the device echo buffer of the ABI probe
 # Kernel entry point -> the one params struct it takes by value.
 KERNELS: dict[str, str] = {
     "kvc_verify": VERIFY_PARAMS.name,
+    "kvc_verify_wide": VERIFY_PARAMS.name,              # fingerprints of >= WIDE_HASH_BYTES
     "kvc_fused_verify": FUSED_VERIFY_PARAMS.name,
+    "kvc_fused_verify_wide": FUSED_VERIFY_PARAMS.name,
     "kvc_write": WRITE_PARAMS.name,
     "kvc_prepare": PREPARE_PARAMS.name,
     "kvc_expand": EXPAND_PARAMS.name,

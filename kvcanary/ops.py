@@ -18,6 +18,8 @@ from .state import VerifyContext, checked, same_device
 
 BLOCK = 256
 _PREPARE_BLOCK = 1024
+WIDE_HASH_BYTES = 64  # a source fingerprinting this many bytes per slot selects the *_wide verifies
+_VERIFY_TILE = 63     # entries a warp tile of the narrow verify kernels verifies: 32 x KVC_VERIFY_VT - 1
 
 
 class Launch:
@@ -55,6 +57,14 @@ def _ref_sink(ctx: VerifyContext) -> dict:
 
 def _grid(rt, work_items: int, per_block: int = BLOCK) -> int:
     return max(1, min(rt.sm_count * (2048 // BLOCK), -(-work_items // per_block)))
+
+
+def _verify_kernel(name: str, rt, p, capacity: int) -> tuple[str, int]:
+    """(kernel, grid) of a verify launch: the warp-cooperative variant when a source fingerprints
+    long strips, and enough blocks for every warp tile of a full plan (at most 16 per SM)."""
+    wide = any(p.sources[i].hash_bytes >= WIDE_HASH_BYTES for i in range(p.num_sources))
+    per_block = (31 if wide else _VERIFY_TILE) * (BLOCK // 32)
+    return (f"{name}_wide" if wide else name), max(1, min(rt.sm_count * 16, -(-capacity // per_block)))
 
 
 def _runtime(device: int):
@@ -102,7 +112,8 @@ def prepare_verify(ctx: VerifyContext, plan: StepPlan, *, check_expected_token: 
     p.plan_capacity, p.check_expected_token = plan.verify_capacity, int(bool(check_expected_token))
     rt = _runtime(ctx.device)
     s = streams.resolve(stream, (ctx.buffer.array, plan.slot), views.values(), ctx.device)
-    return Launch(rt, "kvc_verify", _grid(rt, plan.verify_capacity), BLOCK, p, s, (ctx, plan))
+    name, grid = _verify_kernel("kvc_verify", rt, p, plan.verify_capacity)
+    return Launch(rt, name, grid, BLOCK, p, s, (ctx, plan))
 
 
 # ---- write ---------------------------------------------------------------------------------------
@@ -261,4 +272,5 @@ def prepare_fused_verify(ctx: VerifyContext, batch: Batch, plan: StepPlan, *, sw
     p.check_expected_token = int(bool(check_expected_token))
     rt = _runtime(ctx.device)
     s = streams.resolve(stream, (batch.req_pool_indices, ctx.buffer.array), v.values(), ctx.device)
-    return Launch(rt, "kvc_fused_verify", _grid(rt, plan.verify_capacity), BLOCK, p, s, (ctx, batch, plan, swa_map))
+    name, grid = _verify_kernel("kvc_fused_verify", rt, p, plan.verify_capacity)
+    return Launch(rt, name, grid, BLOCK, p, s, (ctx, batch, plan, swa_map))

@@ -79,6 +79,23 @@ def test_long_chain_single_request():
     workloads.assert_same(workloads.run(w, host, to_host), workloads.run(w, to_dev, to_host))
 
 
+def test_write_repeated_slots_last_occurrence_stores():
+    """A request that writes a slot several times (within one 224-entry chunk and across chunks):
+    the record of its last occurrence stays, as in the reference's in-order stores."""
+    w = workloads.make(77, num_slots=4000, page_size=16, num_reqs=1, max_len=2, mode=abi.HashMode.PARTIAL)
+    rng = np.random.default_rng(3)
+    n = 1500
+    w.offsets = np.array([0, n], np.int64)
+    w.input_ids = rng.integers(0, 1 << 30, n).astype(np.int64)
+    w.positions = np.arange(n, dtype=np.int64)
+    w.out_cache_loc = rng.integers(1, 300, n).astype(np.int64)
+    w.out_cache_loc[rng.random(n) < 0.05] = -1
+    w.expected_input_ids, w.expected_positions = w.input_ids.copy(), w.positions.copy()
+    ref = workloads.run(w, host, to_host)
+    workloads.assert_same(ref, workloads.run(w, to_dev, to_host))
+    assert len(np.unique(w.out_cache_loc[w.out_cache_loc > 0])) < n // 2
+
+
 def test_ring_overflow_counts_every_row():
     w = workloads.make(5, ring_capacity=4)
     ref, gpu = workloads.run(w, host, to_host), workloads.run(w, to_dev, to_host)

@@ -111,3 +111,98 @@ def test_large_batch_16384_requests():
     assert n > 100000
     np.testing.assert_array_equal(dev.slot.numpy()[:n], ref.slot[:n])
     np.testing.assert_array_equal(dev.offsets.numpy(), ref.offsets)
+
+
+# ---- the warp-tiled verify kernels on clean, stamped engine state -------------------------------
+def stamped_engine(seed, *, mode, stride, sources, swa):
+    """A host engine state stamped by the reference write: ~300 requests of very uneven length
+    (many empty or 1-3 tokens, so warp tiles span many requests), real-KV pools per ``sources``
+    ((page_size, bytes_per_token, read_bytes) each), a canary buffer of ``stride`` bytes per slot,
+    then a few corrupted records, KV bytes and req_to_token entries. Returns the host arrays and
+    the verify batch (padding rows interleaved, prefixes at or below the stamped lengths)."""
+    rng = np.random.default_rng(seed)
+    bs = 300
+    lens = rng.choice([0, 0, 1, 2, 3, 33, 200, 700], bs).astype(np.int64)
+    max_len, num_slots = 720, int(lens.sum()) + 64
+    rtt = np.zeros((bs + 1, max_len), np.int32)
+    free = rng.permutation(np.arange(1, num_slots))
+    at = 0
+    for r in range(bs):
+        rtt[r + 1, :lens[r]] = free[at:at + lens[r]]
+        at += lens[r]
+    pools = [rng.integers(0, 256, (-(-num_slots // page), page * bpt), dtype=np.uint8) for page, bpt, _ in sources]
+    srcs = lambda ps: [kc.RealKvSource(p, page, bpt, rb) for p, (page, bpt, rb) in zip(ps, sources)]  # noqa: E731
+    canary = np.zeros((num_slots, stride), np.uint8)
+    sink = kc.ViolationSink.allocate(1 << 16)
+    ctx = kc.VerifyContext(kc.CanaryBuffer(canary), sink, abi.LaunchTag.TAIL_K_FULL, srcs(pools), mode)
+    rpi = np.arange(1, bs + 1, dtype=np.int64)
+    loc = np.concatenate([rtt[r + 1, :lens[r]] for r in range(bs)]).astype(np.int64)
+    stamp = kc.Batch(req_pool_indices=rpi, prefix_lens=np.zeros(bs, np.int64), extend_lens=lens,
+                     req_to_token=rtt, input_ids=rng.integers(0, 1 << 40, len(loc)).astype(np.int64),
+                     positions=np.concatenate([np.arange(n) for n in lens]).astype(np.int64), out_cache_loc=loc)
+    plan = kc.StepPlan.allocate(bs, 1)
+    kc.build_plan(stamp, plan)
+    kc.write(ctx, plan, stamp.input_ids, stamp.positions, stamp.out_cache_loc)
+    assert int(sink.arrays[1][0]) == 0, "the stamping write must be clean"
+    prefix = np.where(rng.random(bs) < 0.5, lens, np.minimum(lens, rng.integers(0, max_len, bs))).astype(np.int64)
+    read = [r for r in range(bs) if prefix[r] > 0]
+    for r in rng.choice(read, 6, replace=False):  # corrupt token, position, chain or fingerprint of a read slot
+        slot = rtt[r + 1, prefix[r] - 1 - int(rng.integers(0, min(4, prefix[r])))]
+        canary[slot, int(rng.integers(0, 32))] ^= 1 << int(rng.integers(0, 8))
+    for p in pools:
+        for _ in range(4):
+            p[int(rng.integers(0, p.shape[0])), int(rng.integers(0, p.shape[1]))] ^= 0x40
+    long = [r for r in range(bs) if prefix[r] > 100]
+    rtt[long[0] + 1, prefix[long[0]] - 20] = num_slots + 3   # out of range (and a predecessor)
+    rtt[long[1] + 1, prefix[long[1]] - 30] = 0               # the padding slot: skipped, chain unchecked after it
+    rpi_v = rpi.copy()
+    rpi_v[rng.random(bs) < 0.05] = 0       # padding rows anywhere: no verify entries
+    batch = dict(req_pool_indices=rpi_v, prefix_lens=prefix, extend_lens=np.ones(bs, np.int64), req_to_token=rtt)
+    kw = dict(swa_window=int(rng.integers(100, 400)), swa_map=np.arange(num_slots + 7, dtype=np.int64)) if swa else {}
+    return canary, pools, srcs, batch, kw
+
+
+@pytest.mark.parametrize("seed,mode,stride,sources,swa", [
+    (30, abi.HashMode.NONE, 32, [], False),
+    (31, abi.HashMode.PARTIAL, 40, [(16, 64, 64)], True),
+    (32, abi.HashMode.ALL, 32, [(1, 1024, 1024)], False),                  # the wide kernels
+    (33, abi.HashMode.ALL, 40, [(16, 208, 208), (1, 48, 48)], True),       # wide, odd strips
+    (34, abi.HashMode.ALL, 32, [(4, 48, 48)], False),                      # narrow ALL
+])
+def test_tiled_verify_kernels_equal_reference_on_stamped_state(seed, mode, stride, sources, swa):
+    canary, pools, srcs, batch, kw = stamped_engine(seed, mode=mode, stride=stride, sources=sources, swa=swa)
+    bs = len(batch["req_pool_indices"])
+
+    def host_run():
+        sink = kc.ViolationSink.allocate(1 << 16)
+        ctx = kc.VerifyContext(kc.CanaryBuffer(canary.copy()), sink, abi.LaunchTag.HEAD_K_FULL,
+                               srcs([p.copy() for p in pools]), mode)
+        plan = kc.StepPlan.allocate(bs, 1 << 17)
+        kc.build_plan(on(False, batch), plan, **kw)
+        kc.verify(ctx, plan)
+        return sink
+
+    def gpu_run(fused):
+        sink = kc.ViolationSink.allocate(1 << 16, device=0)
+        ctx = kc.VerifyContext(kc.CanaryBuffer(memory.to_device(canary)), sink, abi.LaunchTag.HEAD_K_FULL,
+                               srcs([memory.to_device(p) for p in pools]), mode)
+        plan = kc.StepPlan.allocate(bs, 1 << 17, device=0, materialize=not fused)
+        kwd = dict(kw, swa_map=memory.to_device(kw["swa_map"])) if swa else {}
+        dbatch = on(True, batch)
+        kc.build_plan(dbatch, plan, **kwd)
+        if fused:
+            kc.fused_verify(ctx, dbatch, plan, **kwd)
+        else:
+            kc.verify(ctx, plan)
+        return sink
+
+    def effects(sink):
+        arrays = [a if isinstance(a, np.ndarray) else a.numpy() for a in sink.arrays]
+        wi = int(arrays[1][0])
+        return sorted(map(tuple, arrays[0][:wi].tolist())), wi, int(arrays[2][0]), int(arrays[3][0])
+
+    want = effects(host_run())
+    assert 0 < want[1] < 200, "a mostly clean state with a few corruptions"
+    assert want[3] > 5000, "enough verified entries to span many warp tiles"
+    assert effects(gpu_run(fused=True)) == want
+    assert effects(gpu_run(fused=False)) == want
