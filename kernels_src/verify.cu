@@ -19,8 +19,9 @@
 #define KVC_VERIFY_MIN_BLOCKS 4  // per SM: caps the narrow kernels at 64 registers (measured best on H200)
 #endif
 #define KVC_VERIFY_THREADS 256
-#define KVC_WIDE_PIECES 4  // 16-byte pieces of each strip staged per round: 64 bytes
-#define KVC_WIDE_DEPTH 2   // rounds in flight per warp
+#define KVC_WIDE_THREADS 128  // blocks of the *_wide kernels (keep ops._WIDE_BLOCK in step)
+#define KVC_WIDE_PIECES 8     // 16-byte pieces of each strip staged per round: a 128-byte line
+#define KVC_WIDE_DEPTH 2      // rounds in flight per warp
 #define KVC_WIDE_STRIPS_PER_LOAD (32 / KVC_WIDE_PIECES)
 #define KVC_WIDE_LOADS (32 / KVC_WIDE_STRIPS_PER_LOAD)
 
@@ -82,8 +83,8 @@ __device__ __forceinline__ uint64_t kvc_fingerprint_narrow(const P& p, long long
 }
 
 // Fingerprint of lane's `slot` (0 unless `own`), the strips fetched by the whole warp: each round
-// copies 64 contiguous bytes of every strip straight into shared memory (8 strips per instruction,
-// two rounds in flight), and every lane folds its own strip from there. Every lane of the warp must
+// copies the next 128-byte line of every strip straight into shared memory (4 strips per
+// instruction, two rounds in flight), and every lane folds its own strip from there. Every lane of the warp must
 // call it.
 template <class P>
 __device__ __forceinline__ uint64_t kvc_fingerprint_warp(const P& p, long long slot, bool own, KvcWideStage& st) {
@@ -349,8 +350,8 @@ extern "C" __global__ void __launch_bounds__(KVC_VERIFY_THREADS, KVC_VERIFY_MIN_
   kvc_verify_plan<KVC_VERIFY_VT, false>(p, nullptr);
 }
 
-extern "C" __global__ void __launch_bounds__(KVC_VERIFY_THREADS, 3) kvc_verify_wide(const __grid_constant__ KvcVerifyParams p) {
-  __shared__ KvcWideStage stage[KVC_VERIFY_THREADS / 32];
+extern "C" __global__ void __launch_bounds__(KVC_WIDE_THREADS) kvc_verify_wide(const __grid_constant__ KvcVerifyParams p) {
+  __shared__ KvcWideStage stage[KVC_WIDE_THREADS / 32];
   kvc_verify_plan<1, true>(p, stage);
 }
 
@@ -359,8 +360,8 @@ kvc_fused_verify(const __grid_constant__ KvcFusedVerifyParams p) {
   kvc_verify_fused<KVC_VERIFY_VT, false>(p, nullptr);
 }
 
-extern "C" __global__ void __launch_bounds__(KVC_VERIFY_THREADS, 3)
+extern "C" __global__ void __launch_bounds__(KVC_WIDE_THREADS)
 kvc_fused_verify_wide(const __grid_constant__ KvcFusedVerifyParams p) {
-  __shared__ KvcWideStage stage[KVC_VERIFY_THREADS / 32];
+  __shared__ KvcWideStage stage[KVC_WIDE_THREADS / 32];
   kvc_verify_fused<1, true>(p, stage);
 }

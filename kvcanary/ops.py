@@ -20,6 +20,7 @@ BLOCK = 256
 _PREPARE_BLOCK = 1024
 WIDE_HASH_BYTES = 64  # a source fingerprinting this many bytes per slot selects the *_wide verifies
 _VERIFY_TILE = 63     # entries a warp tile of the narrow verify kernels verifies: 32 x KVC_VERIFY_VT - 1
+_WIDE_BLOCK = 128     # threads per block of the *_wide verify kernels: KVC_WIDE_THREADS
 
 
 class Launch:
@@ -59,12 +60,15 @@ def _grid(rt, work_items: int, per_block: int = BLOCK) -> int:
     return max(1, min(rt.sm_count * (2048 // BLOCK), -(-work_items // per_block)))
 
 
-def _verify_kernel(name: str, rt, p, capacity: int) -> tuple[str, int]:
-    """(kernel, grid) of a verify launch: the warp-cooperative variant when a source fingerprints
-    long strips, and enough blocks for every warp tile of a full plan (at most 16 per SM)."""
+def _verify_kernel(name: str, rt, p, capacity: int) -> tuple[str, int, int]:
+    """(kernel, grid, block) of a verify launch: the warp-cooperative variant when a source
+    fingerprints long strips, and enough blocks for every warp tile of a full plan (at most 16
+    blocks of 256 threads per SM)."""
     wide = any(p.sources[i].hash_bytes >= WIDE_HASH_BYTES for i in range(p.num_sources))
-    per_block = (31 if wide else _VERIFY_TILE) * (BLOCK // 32)
-    return (f"{name}_wide" if wide else name), max(1, min(rt.sm_count * 16, -(-capacity // per_block)))
+    block = _WIDE_BLOCK if wide else BLOCK
+    per_block = (31 if wide else _VERIFY_TILE) * (block // 32)
+    grid = max(1, min(rt.sm_count * 16 * BLOCK // block, -(-capacity // per_block)))
+    return (f"{name}_wide" if wide else name), grid, block
 
 
 def _runtime(device: int):
@@ -112,8 +116,8 @@ def prepare_verify(ctx: VerifyContext, plan: StepPlan, *, check_expected_token: 
     p.plan_capacity, p.check_expected_token = plan.verify_capacity, int(bool(check_expected_token))
     rt = _runtime(ctx.device)
     s = streams.resolve(stream, (ctx.buffer.array, plan.slot), views.values(), ctx.device)
-    name, grid = _verify_kernel("kvc_verify", rt, p, plan.verify_capacity)
-    return Launch(rt, name, grid, BLOCK, p, s, (ctx, plan))
+    name, grid, block = _verify_kernel("kvc_verify", rt, p, plan.verify_capacity)
+    return Launch(rt, name, grid, block, p, s, (ctx, plan))
 
 
 # ---- write ---------------------------------------------------------------------------------------
@@ -272,5 +276,5 @@ def prepare_fused_verify(ctx: VerifyContext, batch: Batch, plan: StepPlan, *, sw
     p.check_expected_token = int(bool(check_expected_token))
     rt = _runtime(ctx.device)
     s = streams.resolve(stream, (batch.req_pool_indices, ctx.buffer.array), v.values(), ctx.device)
-    name, grid = _verify_kernel("kvc_fused_verify", rt, p, plan.verify_capacity)
-    return Launch(rt, name, grid, BLOCK, p, s, (ctx, batch, plan, swa_map))
+    name, grid, block = _verify_kernel("kvc_fused_verify", rt, p, plan.verify_capacity)
+    return Launch(rt, name, grid, block, p, s, (ctx, batch, plan, swa_map))
