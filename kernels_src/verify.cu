@@ -21,9 +21,10 @@
 #define KVC_VERIFY_THREADS 256
 #define KVC_WIDE_THREADS 128  // blocks of the *_wide kernels (keep ops._WIDE_BLOCK in step)
 #define KVC_WIDE_PIECES 8     // 16-byte pieces of each strip staged per round: a 128-byte line
-#define KVC_WIDE_DEPTH 2      // rounds in flight per warp
+#define KVC_WIDE_DEPTH 2      // rounds in flight per warp (the waits in kvc_fingerprint_warp assume 2)
 #define KVC_WIDE_STRIPS_PER_LOAD (32 / KVC_WIDE_PIECES)
 #define KVC_WIDE_LOADS (32 / KVC_WIDE_STRIPS_PER_LOAD)
+static_assert(KVC_WIDE_DEPTH == 2, "kvc_fingerprint_warp waits for all but the one newer round");
 
 struct KvcRecord {
   long long token, position;
@@ -99,6 +100,7 @@ __device__ __forceinline__ uint64_t kvc_fingerprint_warp(const P& p, long long s
     for (int k = 0; k < KVC_WIDE_LOADS; ++k)
       src[k] = reinterpret_cast<const ulonglong2*>(__shfl_sync(KVC_FULL_MASK, mine, k * KVC_WIDE_STRIPS_PER_LOAD + grp));
     const int n = s.hash_bytes >> 4;
+    const int rounds = (n + KVC_WIDE_PIECES - 1) / KVC_WIDE_PIECES;
     auto issue = [&](int c) {  // round c: pieces [c * PIECES, (c + 1) * PIECES) of every strip
       const int piece = c * KVC_WIDE_PIECES + sub;
 #pragma unroll
@@ -107,15 +109,15 @@ __device__ __forceinline__ uint64_t kvc_fingerprint_warp(const P& p, long long s
         kvc_copy16_async(&st.piece[c % KVC_WIDE_DEPTH][k * KVC_WIDE_STRIPS_PER_LOAD + grp][sub],
                          valid ? src[k] + piece : dummy, valid);
       }
-      kvc_copy_commit();  // one group per round, empty rounds included, so the counts line up
+      kvc_copy_commit();
     };
-    __syncwarp();  // the previous source's folds have read the stage
-#pragma unroll
-    for (int c = 0; c < KVC_WIDE_DEPTH; ++c) issue(c);
+    __syncwarp();  // the previous source's folds have read the stage (its copies all landed)
+    for (int c = 0; c < KVC_WIDE_DEPTH && c < rounds; ++c) issue(c);
     uint64_t h = 0;
-    for (int c = 0; c * KVC_WIDE_PIECES < n; ++c) {
-      kvc_copy_wait<KVC_WIDE_DEPTH - 1>();  // this lane's copies of round c have landed
-      __syncwarp();                          // ... and every other lane's
+    for (int c = 0; c < rounds; ++c) {
+      // This lane's copies of round c have landed: only round c + 1 may still be in flight.
+      if (c + 1 < rounds) kvc_copy_wait<KVC_WIDE_DEPTH - 1>(); else kvc_copy_wait<0>();
+      __syncwarp();  // ... and every other lane's
       const ulonglong2* row = st.piece[c % KVC_WIDE_DEPTH][lane];
       const int m = n - c * KVC_WIDE_PIECES < KVC_WIDE_PIECES ? n - c * KVC_WIDE_PIECES : KVC_WIDE_PIECES;
       for (int j = 0; j < m; ++j) {
@@ -123,12 +125,11 @@ __device__ __forceinline__ uint64_t kvc_fingerprint_warp(const P& p, long long s
         h = kvc_sm(h ^ w.x);
         h = kvc_sm(h ^ w.y);
       }
-      __syncwarp();  // every lane has read round c's buffer
-      issue(c + KVC_WIDE_DEPTH);
+      __syncwarp();  // every lane has read round c's buffer before it is refilled
+      if (c + KVC_WIDE_DEPTH < rounds) issue(c + KVC_WIDE_DEPTH);
     }
     total = kvc_sm(total ^ h);
   }
-  kvc_copy_wait<0>();
   return own ? total : 0;
 }
 
