@@ -96,6 +96,32 @@ def test_write_repeated_slots_last_occurrence_stores():
     assert len(np.unique(w.out_cache_loc[w.out_cache_loc > 0])) < n // 2
 
 
+@pytest.mark.parametrize("mode", [abi.HashMode.NONE, abi.HashMode.PARTIAL, abi.HashMode.ALL])
+def test_write_short_and_long_requests_seeds_repeats_and_holes(mode):
+    """Requests of 0..33 and a few hundred entries: seeds that are chain heads, untouched slots or
+    out of range, slots repeated within a request, holes, out-of-range slots, expected inputs
+    with mismatches. Requests write disjoint slot ranges and seed from slots nobody writes in
+    the launch (requests are independent, SPEC §7: blocks run them in any order)."""
+    w = workloads.make(78, num_slots=40000, page_size=16, num_reqs=96, max_len=2, mode=mode)
+    rng = np.random.default_rng(4)
+    lens = rng.integers(0, 34, 96)
+    lens[::7], lens[::11], lens[::13] = 32, 33, 300
+    n = int(lens.sum())
+    w.offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    w.seed = rng.choice([-1, 39990, 39999, 40000 + 4], 96).astype(np.int64)
+    w.input_ids = rng.integers(0, 1 << 30, n).astype(np.int64)
+    w.positions = np.concatenate([np.arange(k) + int(rng.integers(0, 9)) for k in lens]).astype(np.int64)
+    base = np.repeat(1 + 400 * np.arange(96), lens)  # request r writes slots [1 + 400 r, 1 + 400 r + 200)
+    w.out_cache_loc = (base + rng.integers(0, 200, n)).astype(np.int64)
+    w.out_cache_loc[rng.random(n) < 0.05] = -1
+    w.out_cache_loc[rng.random(n) < 0.01] = 40000 + 7
+    w.expected_input_ids, w.expected_positions = w.input_ids.copy(), w.positions.copy()
+    w.expected_input_ids[rng.random(n) < 0.03] += 1
+    ref = workloads.run(w, host, to_host)
+    workloads.assert_same(ref, workloads.run(w, to_dev, to_host))
+    assert ref["write_index"] > 0
+
+
 def test_ring_overflow_counts_every_row():
     w = workloads.make(5, ring_capacity=4)
     ref, gpu = workloads.run(w, host, to_host), workloads.run(w, to_dev, to_host)
