@@ -1,0 +1,99 @@
+// Real-KV fingerprints for the verify kernels (SPEC §3, §4): a lane's own strips one 16-byte load
+// at a time (short strips), or a warp's 32 strips fetched together with cp.async, a 128-byte line
+// of each strip per round straight into shared memory, every lane folding its own strip there.
+#pragma once
+#include "common.cuh"
+
+#define KVC_WIDE_PIECES 8     // 16-byte pieces of each strip staged per round: a 128-byte line
+#define KVC_WIDE_DEPTH 2      // rounds in flight per warp (the waits in kvc_fingerprint_warp assume 2)
+#define KVC_WIDE_STRIPS_PER_LOAD (32 / KVC_WIDE_PIECES)
+#define KVC_WIDE_LOADS (32 / KVC_WIDE_STRIPS_PER_LOAD)
+static_assert(KVC_WIDE_DEPTH == 2, "kvc_fingerprint_warp waits for all but the one newer round");
+
+// One warp's staging area: KVC_WIDE_DEPTH rounds in flight, a row of pieces per lane's strip (+1
+// piece so rows start in other banks).
+struct KvcWideStage {
+  ulonglong2 piece[KVC_WIDE_DEPTH][32][KVC_WIDE_PIECES + 1];
+};
+
+// 16 bytes global -> shared without registers (cp.async, sm_80+); zero-fills when !valid.
+__device__ __forceinline__ void kvc_copy16_async(ulonglong2* dst, const ulonglong2* src, bool valid) {
+  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void kvc_copy_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void kvc_copy_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// Strip address of `slot` in source s (SPEC §4).
+__device__ __forceinline__ const ulonglong2* kvc_strip(const KvcSourceDesc& s, long long slot) {
+  const long long row = s.page_size == 1 ? slot : slot / s.page_size, col = slot - row * s.page_size;
+  return reinterpret_cast<const ulonglong2*>(s.base + row * s.row_stride + col * (long long)s.bytes_per_token);
+}
+
+// Fingerprint of `slot`, one 16-byte load at a time: few registers, for short strips.
+template <class P>
+__device__ __forceinline__ uint64_t kvc_fingerprint_narrow(const P& p, long long slot) {
+  uint64_t total = 0;
+  for (int i = 0; i < p.num_sources; ++i) {
+    const ulonglong2* q = kvc_strip(p.sources[i], slot);
+    uint64_t h = 0;
+    for (int k = 0; k < (p.sources[i].hash_bytes >> 4); ++k) {
+      const ulonglong2 w = __ldg(q + k);
+      h = kvc_sm(h ^ w.x);
+      h = kvc_sm(h ^ w.y);
+    }
+    total = kvc_sm(total ^ h);
+  }
+  return total;
+}
+
+// Fingerprint of lane's `slot` (0 unless `own`), the strips fetched by the whole warp: each round
+// copies the next 128-byte line of every strip straight into shared memory (4 strips per
+// instruction, two rounds in flight), and every lane folds its own strip from there. Every lane of
+// the warp must call it.
+template <class P>
+__device__ __forceinline__ uint64_t kvc_fingerprint_warp(const P& p, long long slot, bool own, KvcWideStage& st) {
+  const int lane = threadIdx.x & 31, sub = lane % KVC_WIDE_PIECES, grp = lane / KVC_WIDE_PIECES;
+  const ulonglong2* dummy = reinterpret_cast<const ulonglong2*>(p.canary);  // never read: zero-size copies
+  uint64_t total = 0;
+  for (int i = 0; i < p.num_sources; ++i) {
+    const KvcSourceDesc& s = p.sources[i];
+    const unsigned long long mine = own ? (unsigned long long)kvc_strip(s, slot) : 0;
+    const ulonglong2* src[KVC_WIDE_LOADS];  // strip k * STRIPS_PER_LOAD + grp, of another lane
+#pragma unroll
+    for (int k = 0; k < KVC_WIDE_LOADS; ++k)
+      src[k] = reinterpret_cast<const ulonglong2*>(__shfl_sync(KVC_FULL_MASK, mine, k * KVC_WIDE_STRIPS_PER_LOAD + grp));
+    const int n = s.hash_bytes >> 4;
+    const int rounds = (n + KVC_WIDE_PIECES - 1) / KVC_WIDE_PIECES;
+    auto issue = [&](int c) {  // round c: pieces [c * PIECES, (c + 1) * PIECES) of every strip
+      const int piece = c * KVC_WIDE_PIECES + sub;
+#pragma unroll
+      for (int k = 0; k < KVC_WIDE_LOADS; ++k) {
+        const bool valid = src[k] != 0 && piece < n;
+        kvc_copy16_async(&st.piece[c % KVC_WIDE_DEPTH][k * KVC_WIDE_STRIPS_PER_LOAD + grp][sub],
+                         valid ? src[k] + piece : dummy, valid);
+      }
+      kvc_copy_commit();
+    };
+    __syncwarp();  // the previous source's folds have read the stage (its copies all landed)
+    for (int c = 0; c < KVC_WIDE_DEPTH && c < rounds; ++c) issue(c);
+    uint64_t h = 0;
+    for (int c = 0; c < rounds; ++c) {
+      // This lane's copies of round c have landed: only round c + 1 may still be in flight.
+      if (c + 1 < rounds) kvc_copy_wait<KVC_WIDE_DEPTH - 1>(); else kvc_copy_wait<0>();
+      __syncwarp();  // ... and every other lane's
+      const ulonglong2* row = st.piece[c % KVC_WIDE_DEPTH][lane];
+      const int m = n - c * KVC_WIDE_PIECES < KVC_WIDE_PIECES ? n - c * KVC_WIDE_PIECES : KVC_WIDE_PIECES;
+      for (int j = 0; j < m; ++j) {
+        const ulonglong2 w = row[j];
+        h = kvc_sm(h ^ w.x);
+        h = kvc_sm(h ^ w.y);
+      }
+      __syncwarp();  // every lane has read round c's buffer before it is refilled
+      if (c + KVC_WIDE_DEPTH < rounds) issue(c + KVC_WIDE_DEPTH);
+    }
+    total = kvc_sm(total ^ h);
+  }
+  return own ? total : 0;
+}
