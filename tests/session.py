@@ -101,18 +101,26 @@ class Session:
             self.free.append(int(self.rtt[row, pos]))
         del self.lens[row]
 
-    def script(self, corrupt_at=None, corrupt=None):
-        """The standard session (:data:`SCRIPT`); ``corrupt`` is applied to step ``corrupt_at``."""
+    def play(self, corrupt_at=None, corrupt=None, step=None, stop_after=None):
+        """Drive :data:`SCRIPT`: shares and finishes here, each engine step through
+        ``step(work, corrupt)`` (default :meth:`step`), ``corrupt`` given to step ``corrupt_at``
+        only; return right after step ``stop_after`` when given."""
+        step = step or (lambda work, c: self.step(work, corrupt=c))
         k = 0
         for item in SCRIPT:
             if item == "share":
                 self.share_prefix(1, 3, 6)
-                continue
-            if item == "finish":
+            elif item == "finish":
                 self.finish(1, keep=6)  # the first 6 slots stay cached (shared with C)
-                continue
-            self.step(item, corrupt=corrupt if k == corrupt_at else None)
-            k += 1
+            else:
+                step(item, corrupt if k == corrupt_at else None)
+                if k == stop_after:
+                    return
+                k += 1
+
+    def script(self, corrupt_at=None, corrupt=None):
+        """The standard session (:data:`SCRIPT`); ``corrupt`` is applied to step ``corrupt_at``."""
+        self.play(corrupt_at, corrupt)
         self.canary.flush()
         return self.records
 

@@ -134,15 +134,7 @@ def test_session_replayed_from_cuda_graphs_equals_eager():
         g.canary.record_replay()
         g.canary.poll(torch.cuda.current_stream().cuda_stream)
 
-    k = 0
-    for item in sess_mod.SCRIPT:
-        if item == "share":
-            g.share_prefix(1, 3, 6)
-        elif item == "finish":
-            g.finish(1, keep=6)
-        else:
-            step(item, _wrong_rtt if k == 3 else None)
-            k += 1
+    g.play(3, _wrong_rtt, step=step)
     g.canary.flush()
     assert key(g.records) == key(eager_records)
     eb, gb = buffers(eager.canary), buffers(g.canary)
@@ -207,17 +199,7 @@ def test_snapshots_in_order_skipped_when_full_then_flushed():
 
 def test_a_violation_shows_up_in_the_first_poll_after_the_device_finished():
     s = Session(0)
-    k = 0
-    for item in sess_mod.SCRIPT:
-        if item == "share":
-            s.share_prefix(1, 3, 6)
-        elif item == "finish":
-            s.finish(1, keep=6)
-        else:
-            s.step(item, corrupt=_wrong_rtt if k == 3 else None)
-            if k == 3:
-                break
-            k += 1
+    s.play(3, _wrong_rtt, stop_after=3)
     assert [r for r in s.records if r["type"] == "violation"] == []  # step 3's snapshot not taken yet
     memory.context_synchronize(0)
     s.canary.poll(driver.PER_THREAD_STREAM)
