@@ -17,6 +17,7 @@ This module never imports torch, CuPy, JAX or the CUDA driver.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from dataclasses import dataclass
@@ -45,6 +46,17 @@ def resolve_dtype(spec, itemsize: int | None = None) -> tuple[np.dtype, str]:
     """(numpy dtype or same-size unsigned stand-in, canonical name) for a numpy dtype, a typestr
     ("<i8", "|u1", "<V2"), a name ("bfloat16", "float8_e4m3fn") or a torch dtype string
     ("torch.float8_e4m3fn"). ``itemsize`` names the size of an otherwise unknown dtype."""
+    if isinstance(spec, str):  # typestrs and names repeat on every launch: resolve each once
+        return _resolve_text(spec, itemsize)
+    return _resolve(spec, itemsize)
+
+
+@functools.lru_cache(maxsize=256)
+def _resolve_text(spec: str, itemsize: int | None) -> tuple[np.dtype, str]:
+    return _resolve(spec, itemsize)
+
+
+def _resolve(spec, itemsize: int | None) -> tuple[np.dtype, str]:
     if isinstance(spec, np.dtype) or (isinstance(spec, type) and issubclass(spec, np.generic)):
         dt = np.dtype(spec)
         return dt, dt.name
@@ -224,9 +236,9 @@ def _from_cai(obj, name) -> ArrayView:
               "mask (unsupported)", "pass the unmasked data")
     ptr, readonly = cai["data"]
     shape = tuple(cai["shape"])
-    hint = getattr(getattr(obj, "dtype", None), "name", None)
     dtype, dtype_name = resolve_dtype(cai["typestr"])
-    if dtype_name.startswith("void") and hint:
+    hint = getattr(getattr(obj, "dtype", None), "name", None) if dtype_name.startswith("void") else None
+    if hint:  # an opaque typestr ("<V2"): the producer's dtype name may say what it is
         try:
             hinted = resolve_dtype(hint)
             if hinted[0].itemsize == dtype.itemsize:

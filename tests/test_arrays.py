@@ -504,5 +504,5 @@ def test_core_modules_never_import_frameworks():
                  for a in n.names}
         names |= {n.module.split(".")[0] for n in ast.walk(tree)
                   if isinstance(n, ast.ImportFrom) and n.module and not n.level}
-        assert names <= {"__future__", "ctypes", "dataclasses", "math", "operator", "typing",
+        assert names <= {"__future__", "ctypes", "dataclasses", "functools", "math", "operator", "typing",
                          "numpy"}, names
