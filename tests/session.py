@@ -39,7 +39,7 @@ class Session:
         if self.device is None:
             return a
         from kvcanary import memory
-        return memory.to_device(a)
+        return memory.to_device(a, self.device)
 
     def _kv(self, token, pos, layer):
         g = np.random.default_rng([int(token), int(pos), layer])

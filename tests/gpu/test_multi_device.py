@@ -31,3 +31,25 @@ def test_workloads_on_every_device_from_threads():
     for d in range(n):
         workloads.assert_same(refs[d], out[d])
         assert driver.runtime(d).ordinal == d
+
+
+@pytest.mark.parametrize("fault", [None, "kv"])
+def test_manager_on_the_last_device_equals_reference(fault):
+    """The step API, the snapshot pump (mapped pinned memory written by a kernel of that device)
+    and the report path on a device other than 0."""
+    from tests.gpu.test_manager_gpu import buffers, key
+    from tests.session import Session
+    from tests.test_manager import _flip_kv
+    n = driver.device_count()
+    if n < 2:
+        pytest.skip("needs two CUDA devices")
+    at, corrupt = (4, _flip_kv) if fault else (None, None)
+    host = Session(swa=True, chain_position_assert=True)
+    dev = Session(n - 1, swa=True, chain_position_assert=True)
+    want = key(host.script(at, corrupt))
+    assert key(dev.script(at, corrupt)) == want
+    assert (len(want) > 0) == bool(fault)
+    hb, db = buffers(host.canary), buffers(dev.canary)
+    for name in hb:
+        np.testing.assert_array_equal(hb[name], db[name], err_msg=str(name))
+    dev.canary.health_check()
