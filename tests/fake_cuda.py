@@ -26,6 +26,7 @@ class FakeDriver:
         self.memory: dict[int, object] = {}
         self.pending: dict[int, list] = defaultdict(list)   # stream -> [(kernel, params bytes)]
         self.launched: list[str] = []                        # kernel names, in launch order
+        self.shapes: list[tuple[str, int, int]] = []         # (kernel, grid, block) per launch
         self.capturing: set[int] = set()                     # streams reported as capturing
         self.calls: dict[str, int] = defaultdict(int)
         self.immediate = False                               # run each launch when it is made
@@ -174,6 +175,7 @@ class FakeDriver:
         size = ctypes.sizeof(abi.CTYPES[abi.KERNELS[fn]])
         struct_at = ctypes.c_void_p.from_address(int(params)).value
         self.launched.append(fn)
+        self.shapes.append((fn, gx, bx))
         if int(stream) not in self.capturing:  # a captured launch runs only on replay
             self.pending[int(stream)].append((fn, ctypes.string_at(struct_at, size)))
             if self.immediate:

@@ -213,3 +213,24 @@ def test_launches_are_repacked_only_when_a_batch_field_is_another_object(fake):
     head = canary._hot["HEAD"][2]
     step(canary, batch, s)
     assert canary._hot["HEAD"][2] is not head
+
+
+@pytest.mark.parametrize("hash_mode,read_bytes,tail_verify,block", [
+    ("partial", 1024, "kvc_fused_verify", 256),       # 16 fingerprinted bytes: one lane per entry
+    ("all", 48, "kvc_fused_verify", 256),             # short strips: still per lane
+    ("all", 1024, "kvc_fused_verify_wide", 128),      # >= 64 bytes: warp-cooperative fetch
+])
+def test_verify_kernel_follows_the_fingerprinted_bytes(fake, hash_mode, read_bytes, tail_verify, block):
+    from kvcanary import memory
+    from kvcanary.manager import KvCanary, PoolGroup
+    pool = memory.zeros((64, 1024), np.uint8)
+    canary = KvCanary(PoolGroup(64, k_sources=[kc.RealKvSource(pool, 1, 1024, read_bytes)], halves=("K",)),
+                      device=0, hash_mode=hash_mode, max_batch=2, verify_capacity=4096)
+    _, batch, _ = make_canary()
+    step(canary, batch, stream(fake))
+    verifies = [(fn, grid, bx) for fn, grid, bx in fake.shapes if "verify" in fn]
+    assert [v[0] for v in verifies] == ["kvc_fused_verify", tail_verify]  # HEAD never fingerprints
+    assert verifies[0][2] == 256 and verifies[1][2] == block
+    for fn, grid, bx in verifies:  # no block without a tile of a full plan (grid-stride covers any grid)
+        per_block = (31 if fn.endswith("_wide") else 63) * (bx // 32)  # entries a warp tile verifies
+        assert 1 <= grid <= -(-4096 // per_block)
