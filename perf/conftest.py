@@ -22,6 +22,8 @@ from typing import Callable
 
 import pytest
 
+from .report import fmt
+
 ROWS: list[dict] = []
 
 
@@ -114,26 +116,12 @@ def report(benchmark, request) -> Reporter:
     return Reporter(benchmark, request.node.nodeid)
 
 
-def fmt_value(value: float | None, unit: str) -> str:
-    if value is None:
-        return "-"
-    if unit == "s":
-        for scale, suffix in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")):
-            if abs(value) >= scale or suffix == "us":
-                return f"{value / scale:.3g} {suffix}"
-    if unit == "B/s":
-        return f"{value / 1e9:.4g} GB/s"
-    if unit == "entries/s":
-        return f"{value / 1e6:.4g} M/s"
-    return f"{value:.4g} {unit}"
-
-
 def format_row(row: dict) -> str:
     ratio = "-" if row["ratio"] is None else f"{row['ratio']:.3g}x"
     verdict = {True: "PASS", False: "FAIL", None: ""}[row["ok"]]
     what = f" ({row['bound_name']})" if row["bound_name"] else ""
-    return (f"{row['name']:<60} {fmt_value(row['measured'], row['unit']):>13}  bound "
-            f"{fmt_value(row['bound'], row['unit']):>13}{what}  ratio {ratio:>8}  "
+    return (f"{row['name']:<60} {fmt(row['measured'], row['unit']):>13}  bound "
+            f"{fmt(row['bound'], row['unit']):>13}{what}  ratio {ratio:>8}  "
             f"target {row['target'] or '-':>7}  {verdict}")
 
 
