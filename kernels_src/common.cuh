@@ -23,12 +23,16 @@ __device__ __forceinline__ long long kvc_clamp(long long v, long long lo, long l
   return v < lo ? lo : (v > hi ? hi : v);
 }
 
+// Strip address of `slot` in source s (SPEC §4).
+__device__ __forceinline__ const ulonglong2* kvc_strip(const KvcSourceDesc& s, long long slot) {
+  const long long row = s.page_size == 1 ? slot : slot / s.page_size, col = slot - row * s.page_size;
+  return reinterpret_cast<const ulonglong2*>(s.base + row * s.row_stride + col * (long long)s.bytes_per_token);
+}
+
 // Fingerprint of one source strip: h = sm(h ^ w) over little-endian 64-bit words, 16-byte loads,
 // eight loads (128 bytes) in flight before the first fold.
 __device__ __forceinline__ uint64_t kvc_fold_strip(const KvcSourceDesc& s, long long slot) {
-  const long long row = s.page_size == 1 ? slot : slot / s.page_size, col = slot - row * s.page_size;
-  const ulonglong2* p = reinterpret_cast<const ulonglong2*>(s.base + row * s.row_stride +
-                                                             col * (long long)s.bytes_per_token);
+  const ulonglong2* p = kvc_strip(s, slot);
   const int n = s.hash_bytes >> 4;
   uint64_t h = 0;
   int i = 0;
@@ -189,19 +193,4 @@ __device__ __forceinline__ long long kvc_owner_in(const B& b, long long e, long 
 template <class B>
 __device__ __forceinline__ long long kvc_owner(const B& b, long long e) {
   return kvc_owner_in(b, e, 0, b.batch_size);
-}
-
-// Owners of entries e0 <= e1, the two searches interleaved so their loads overlap.
-template <class B>
-__device__ __forceinline__ void kvc_owner2(const B& b, long long e0, long long e1, long long* r0, long long* r1) {
-  long long lo0 = 0, hi0 = b.batch_size, lo1 = 0, hi1 = b.batch_size;
-  while (hi0 - lo0 > 1 || hi1 - lo1 > 1) {
-    const long long m0 = (lo0 + hi0) >> 1, m1 = (lo1 + hi1) >> 1;
-    const bool go0 = hi0 - lo0 > 1, go1 = hi1 - lo1 > 1;
-    const long long o0 = go0 ? b.entry_offsets[m0] : 0, o1 = go1 ? b.entry_offsets[m1] : 0;
-    if (go0) { if (o0 <= e0) lo0 = m0; else hi0 = m0; }
-    if (go1) { if (o1 <= e1) lo1 = m1; else hi1 = m1; }
-  }
-  *r0 = lo0;
-  *r1 = lo1;
 }

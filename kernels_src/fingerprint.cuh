@@ -25,12 +25,6 @@ __device__ __forceinline__ void kvc_copy_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void kvc_copy_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
-// Strip address of `slot` in source s (SPEC §4).
-__device__ __forceinline__ const ulonglong2* kvc_strip(const KvcSourceDesc& s, long long slot) {
-  const long long row = s.page_size == 1 ? slot : slot / s.page_size, col = slot - row * s.page_size;
-  return reinterpret_cast<const ulonglong2*>(s.base + row * s.row_stride + col * (long long)s.bytes_per_token);
-}
-
 // Fingerprint of `slot`, one 16-byte load at a time: few registers, for short strips.
 template <class P>
 __device__ __forceinline__ uint64_t kvc_fingerprint_narrow(const P& p, long long slot) {
