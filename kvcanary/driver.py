@@ -186,9 +186,7 @@ class DeviceRuntime:
     def capturing(self, stream: int) -> bool:
         """Whether ``stream`` is being captured into a CUDA graph (any status but NONE). One
         cuStreamIsCapturing; the context is made current only if the driver asks for it."""
-        d, s = _driver(), self._streams.get(stream)
-        if s is None:
-            s = self.cu_stream(stream)
+        d, s = _driver(), self.cu_stream(stream)
         if self.sole:
             err, status = d.cuStreamIsCapturing(s)
             if not err:

@@ -209,8 +209,3 @@ def stream_synchronize(stream: int, device: int) -> None:
 def context_synchronize(device: int) -> None:
     """Wait for all work of the device's primary context, on every stream."""
     check(driver.runtime(device).call(driver._driver().cuCtxSynchronize), "cuCtxSynchronize")
-
-
-def is_capturing(stream: int, device: int) -> bool:
-    """Whether ``stream`` is being captured into a CUDA graph (one cuStreamIsCapturing)."""
-    return driver.runtime(device).capturing(stream)
