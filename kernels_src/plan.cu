@@ -30,7 +30,7 @@ __device__ __forceinline__ long long kvc_block_scan(long long v, long long* warp
   return v + before;
 }
 
-extern "C" __global__ void __launch_bounds__(1024) kvc_prepare(const __grid_constant__ KvcPrepareParams p) {
+extern "C" __global__ void __launch_bounds__(KVC_PREPARE_THREADS) kvc_prepare(const __grid_constant__ KvcPrepareParams p) {
   __shared__ long long warp_totals[32];
   long long entries_before = 0, tokens_before = 0;  // carried across chunks, uniform in the block
   for (long long base = 0; base < p.batch_size; base += blockDim.x) {
@@ -64,7 +64,7 @@ extern "C" __global__ void __launch_bounds__(1024) kvc_prepare(const __grid_cons
 }
 
 // Materialise VerifyPlan entries [0, num_valid) when enabled; entries past num_valid are never read.
-extern "C" __global__ void __launch_bounds__(256) kvc_expand(const __grid_constant__ KvcExpandParams p) {
+extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_expand(const __grid_constant__ KvcExpandParams p) {
   if (*p.verify_enable == 0) return;
   const long long active = kvc_clamp(*p.verify_num_valid, 0, p.verify_capacity);
   const long long stride = (long long)gridDim.x * blockDim.x;

@@ -12,14 +12,9 @@
 // each strip in its own lane.
 #include "fingerprint.cuh"
 
-#ifndef KVC_VERIFY_VT
-#define KVC_VERIFY_VT 2  // entries per lane in a tile (keep ops._VERIFY_TILE in step)
-#endif
 #ifndef KVC_VERIFY_MIN_BLOCKS
 #define KVC_VERIFY_MIN_BLOCKS 4  // per SM: caps the narrow kernels at 64 registers (measured best on H200)
 #endif
-#define KVC_VERIFY_THREADS 256
-#define KVC_WIDE_THREADS 128  // blocks of the *_wide kernels (keep ops._WIDE_BLOCK in step)
 
 struct KvcRecord {
   long long token, position;
@@ -254,22 +249,22 @@ __device__ __forceinline__ void kvc_verify_fused(const KvcFusedVerifyParams& p, 
   }
 }
 
-extern "C" __global__ void __launch_bounds__(KVC_VERIFY_THREADS, KVC_VERIFY_MIN_BLOCKS) kvc_verify(const __grid_constant__ KvcVerifyParams p) {
-  kvc_verify_plan<KVC_VERIFY_VT, false>(p, nullptr);
+extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_VERIFY_MIN_BLOCKS) kvc_verify(const __grid_constant__ KvcVerifyParams p) {
+  kvc_verify_plan<KVC_VERIFY_LANE_ENTRIES, false>(p, nullptr);
 }
 
-extern "C" __global__ void __launch_bounds__(KVC_WIDE_THREADS) kvc_verify_wide(const __grid_constant__ KvcVerifyParams p) {
-  __shared__ KvcWideStage stage[KVC_WIDE_THREADS / 32];
+extern "C" __global__ void __launch_bounds__(KVC_WIDE_VERIFY_THREADS) kvc_verify_wide(const __grid_constant__ KvcVerifyParams p) {
+  __shared__ KvcWideStage stage[KVC_WIDE_VERIFY_THREADS / 32];
   kvc_verify_plan<1, true>(p, stage);
 }
 
-extern "C" __global__ void __launch_bounds__(KVC_VERIFY_THREADS, KVC_VERIFY_MIN_BLOCKS)
+extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_VERIFY_MIN_BLOCKS)
 kvc_fused_verify(const __grid_constant__ KvcFusedVerifyParams p) {
-  kvc_verify_fused<KVC_VERIFY_VT, false>(p, nullptr);
+  kvc_verify_fused<KVC_VERIFY_LANE_ENTRIES, false>(p, nullptr);
 }
 
-extern "C" __global__ void __launch_bounds__(KVC_WIDE_THREADS)
+extern "C" __global__ void __launch_bounds__(KVC_WIDE_VERIFY_THREADS)
 kvc_fused_verify_wide(const __grid_constant__ KvcFusedVerifyParams p) {
-  __shared__ KvcWideStage stage[KVC_WIDE_THREADS / 32];
+  __shared__ KvcWideStage stage[KVC_WIDE_VERIFY_THREADS / 32];
   kvc_verify_fused<1, true>(p, stage);
 }

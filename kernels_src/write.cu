@@ -7,8 +7,7 @@
 // values live on the device.
 #include "common.cuh"
 
-#define KVC_WRITE_THREADS 256
-#define KVC_WRITE_WORKERS (KVC_WRITE_THREADS - 32)  // warps 1..: loads, folds and stores
+#define KVC_WRITE_WORKERS ((int)KVC_BLOCK_THREADS - 32)  // warps 1..: loads, folds and stores
 #define KVC_WRITE_CHUNK KVC_WRITE_WORKERS       // one entry per worker thread per chunk
 
 struct KvcWriteStage {
@@ -137,7 +136,7 @@ __device__ __forceinline__ unsigned kvc_write_store(const KvcWriteParams& p, con
   return stamped;
 }
 
-extern "C" __global__ void __launch_bounds__(KVC_WRITE_THREADS) kvc_write(const __grid_constant__ KvcWriteParams p) {
+extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_write(const __grid_constant__ KvcWriteParams p) {
   __shared__ KvcWriteStage stage[3];   // chunk k % 3: chained, stored (k - 1) and loaded (k + 1) at once
   __shared__ KvcWriteChain chain[2];   // chain values of chunk k % 2
   const int tid = threadIdx.x, worker = tid - 32;

@@ -45,6 +45,13 @@ COL_FAIL_REASON_BITS = 7
 DEFAULT_RING_CAPACITY = 4096
 
 MAX_REAL_KV_SOURCES = 64
+
+# Launch shapes the kernels are written for (ops launches exactly these; the kernels size shared
+# memory and split warps by them).
+BLOCK_THREADS = 256          # verify, write and expand blocks
+PREPARE_THREADS = 1024       # the one block of kvc_prepare
+WIDE_VERIFY_THREADS = 128    # blocks of the warp-cooperative *_wide verify kernels
+VERIFY_LANE_ENTRIES = 2      # entries per lane in a warp tile of the narrow verify kernels
 NO_EXPECTED_TOKEN = -1
 CHAIN_HEAD = -1
 
@@ -327,6 +334,8 @@ def constants() -> dict[str, int]:
         "KVC_RING_COLS": RING_COLS, "KVC_MAX_REAL_KV_SOURCES": MAX_REAL_KV_SOURCES,
         "KVC_NO_EXPECTED_TOKEN": NO_EXPECTED_TOKEN, "KVC_CHAIN_HEAD": CHAIN_HEAD,
         "KVC_REAL_KV_ALIGN": REAL_KV_ALIGN, "KVC_ECHO_BYTES": ECHO_BYTES,
+        "KVC_BLOCK_THREADS": BLOCK_THREADS, "KVC_PREPARE_THREADS": PREPARE_THREADS,
+        "KVC_WIDE_VERIFY_THREADS": WIDE_VERIFY_THREADS, "KVC_VERIFY_LANE_ENTRIES": VERIFY_LANE_ENTRIES,
     }
     for name in ("KERNEL_KIND", "SLOT_IDX", "POSITION", "STORED_TOKEN", "EXPECTED_TOKEN",
                  "STORED_CHAIN_HASH", "EXPECTED_AUX", "FAIL_REASON_BITS"):

@@ -16,11 +16,11 @@ from .errors import ValidationError
 from .plan import Batch, StepPlan
 from .state import VerifyContext, checked, same_device
 
-BLOCK = 256
-_PREPARE_BLOCK = 1024
+BLOCK = abi.BLOCK_THREADS
+_PREPARE_BLOCK = abi.PREPARE_THREADS
 WIDE_HASH_BYTES = 64  # a source fingerprinting this many bytes per slot selects the *_wide verifies
-_VERIFY_TILE = 63     # entries a warp tile of the narrow verify kernels verifies: 32 x KVC_VERIFY_VT - 1
-_WIDE_BLOCK = 128     # threads per block of the *_wide verify kernels: KVC_WIDE_THREADS
+_VERIFY_TILE = 32 * abi.VERIFY_LANE_ENTRIES - 1  # entries a warp tile of the narrow verifies checks
+_WIDE_BLOCK = abi.WIDE_VERIFY_THREADS
 
 
 class Launch:
