@@ -58,9 +58,10 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     from .sim import campaign, report
     from .sim.faults import CLASSES, MODES
     classes, modes = _split(args.classes, CLASSES, "classes"), _split(args.modes, MODES, "modes")
-    if args.jobs < 0:
-        raise SystemExit(f"kv-canary: --jobs takes a worker count >= 0 (0: one per CPU), got {args.jobs}")
-    jobs = campaign.resolve_jobs(args.jobs)
+    try:
+        jobs = campaign.resolve_jobs(args.jobs)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     backend = pick_backend(args.backend)
     progress = report.Progress(None if args.progress == "auto" else args.progress == "on")
     print(f"kvcanary demo: {len(classes)} class(es) x {len(modes)} mode(s), {args.injections} injection(s) "

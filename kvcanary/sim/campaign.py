@@ -122,7 +122,8 @@ def resolve_jobs(jobs: int) -> int:
     if jobs == 0:
         return os.cpu_count() or 1
     if jobs < 0:
-        raise ValueError(f"kv-canary: jobs must be >= 0 (0: one per CPU), got {jobs}")
+        raise ValueError(f"kv-canary: --jobs expects a worker count >= 0, got {jobs}; fix: 0 for one "
+                         f"worker per CPU, 1 to run in this process")
     return jobs
 
 
