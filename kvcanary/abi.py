@@ -367,9 +367,13 @@ def render_prelude(structs: tuple[StructDecl, ...] = STRUCTS,
     lines = [
         "// Generated from kvcanary/abi.py. Do not edit.",
         "#pragma once",
+        "#ifdef __CUDACC_RTC__  // NVRTC: no <stdint.h>",
         "typedef signed char int8_t; typedef unsigned char uint8_t;",
         "typedef int int32_t; typedef unsigned int uint32_t;",
         "typedef long long int64_t; typedef unsigned long long uint64_t;",
+        "#else  // a host compiler (the CPU emulator of the tests)",
+        "#include <stdint.h>",
+        "#endif",
         "",
     ]
     for name, value in constants().items():

@@ -30,6 +30,7 @@ class FakeDriver:
         self.capturing: set[int] = set()                     # streams reported as capturing
         self.calls: dict[str, int] = defaultdict(int)
         self.immediate = False                               # run each launch when it is made
+        self.kernels = None                                  # tests.emu.Kernels: run kernels for real
         self._next_handle = 0x1000
 
     def __getattr__(self, name):  # types, enums and flags of the real module
@@ -40,9 +41,11 @@ class FakeDriver:
         """Execute the queued launches of ``stream`` (all streams when None), in order."""
         for s in [stream] if stream is not None else list(self.pending):
             queue, self.pending[s] = self.pending[s], []
-            for kernel, params in queue:
+            for kernel, grid, block, params in queue:
                 p = abi.CTYPES[abi.KERNELS[kernel]].from_buffer_copy(params)
-                if kernel == "kvc_snapshot":
+                if self.kernels is not None:
+                    self.kernels.launch(kernel, grid, block, params)
+                elif kernel == "kvc_snapshot":
                     ctypes.memmove(p.payload, p.status, 8 * p.n)
                     ctypes.c_int64.from_address(p.done).value = p.ticket
                 elif kernel == "kvc_prepare":  # a plan with nothing to verify, enabled
@@ -98,6 +101,10 @@ class FakeDriver:
         if index:
             return real.CUresult.CUDA_ERROR_INVALID_VALUE, 0, 0
         return OK, 0, ctypes.sizeof(abi.CTYPES[abi.KERNELS[kernel]])
+
+    def cuLibraryGetGlobal(self, library, name):
+        ptr, size = self.kernels.globals[name.decode()]
+        return OK, ptr, size
 
     def cuKernelGetFunction(self, kernel):
         return OK, kernel
@@ -177,7 +184,7 @@ class FakeDriver:
         self.launched.append(fn)
         self.shapes.append((fn, gx, bx))
         if int(stream) not in self.capturing:  # a captured launch runs only on replay
-            self.pending[int(stream)].append((fn, ctypes.string_at(struct_at, size)))
+            self.pending[int(stream)].append((fn, gx, bx, ctypes.string_at(struct_at, size)))
             if self.immediate:
                 self.run(int(stream))
         return (OK,)

@@ -123,7 +123,7 @@ def test_one_snapshot_launch_per_step_after_the_step_and_no_other_driver_call(fa
     assert fake.launched == ["kvc_prepare", "kvc_fused_verify", "kvc_write", "kvc_fused_verify", "kvc_write",
                              "kvc_snapshot"]
     assert canary.launch_count - n0 == canary.launches_per_step() == 6
-    assert [k for k, _ in fake.pending[s]][-1] == "kvc_snapshot"  # on the step's stream, last
+    assert [e[0] for e in fake.pending[s]][-1] == "kvc_snapshot"  # on the step's stream, last
     assert dict(fake.calls) == {"cuStreamIsCapturing": 2}        # no event query, no copy
     slot = canary.pump.fifo.queue[-1]
     p = canary.pump.slot_launches[slot].params

@@ -11,7 +11,7 @@ import pytest
 from kvcanary import abi, driver, memory
 from tests import workloads
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.emulated]  # no GPU: kernels run in tests/emu
 
 host = lambda a: a  # noqa: E731
 to_host = lambda a: a.numpy() if hasattr(a, "numpy") and not isinstance(a, np.ndarray) else np.asarray(a)  # noqa: E731

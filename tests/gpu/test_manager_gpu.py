@@ -159,6 +159,7 @@ def small_canary(**kw):
     return canary, batch, records
 
 
+@pytest.mark.emulated
 def test_snapshot_kernel_copies_the_status_block_then_its_completion_word():
     host = np.arange(1, 301, dtype=np.int64) * -3  # a few hundred words, more than one block's pass
     status = memory.to_device(host)

@@ -8,7 +8,7 @@ import pytest
 import kvcanary as kc
 from kvcanary import abi, memory
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.emulated]  # no GPU: kernels run in tests/emu
 
 
 def random_batch(seed, *, bs=64, rows=100, max_len=512, num_slots=30000, swa=False, expected=False):

@@ -1,0 +1,192 @@
+// A CPU emulator of the CUDA execution model, just large enough to run kernels_src/ unchanged
+// with a host C++ compiler (tests only; never shipped). A launch runs its blocks one after
+// another; the threads of a block are cooperative fibers (ucontext) in one OS thread, switched
+// only where CUDA threads synchronise: __syncthreads and the warp collectives (shuffles, votes,
+// reductions, __syncwarp). Sequential blocks, and lanes that run until they must wait for
+// their warp, are one valid CUDA schedule, so a kernel that is correct on a GPU computes the
+// same here -- and a kernel that depends on an ordering CUDA does not promise can differ.
+#pragma once
+#define KVC_EMULATED 1
+
+#include <ucontext.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+#define __device__
+#define __global__
+#define __host__
+#define __forceinline__ inline __attribute__((always_inline))
+#define __noinline__ __attribute__((noinline))
+#define __launch_bounds__(...)
+#define __grid_constant__
+#define __shared__ static  // blocks run one at a time; kernels never read shared memory unwritten
+
+struct uint3 { unsigned x, y, z; };
+struct alignas(16) longlong2 { long long x, y; };
+struct alignas(16) ulonglong2 { unsigned long long x, y; };
+
+inline uint3 threadIdx, blockIdx, blockDim, gridDim;
+
+template <class T> inline T __ldg(const T* p) { return *p; }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+template <class A, class B> inline auto min(A a, B b) { return a < b ? a : b; }
+template <class A, class B> inline auto max(A a, B b) { return a < b ? b : a; }
+template <class T> inline T atomicAdd(T* p, T v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+inline void __threadfence_system() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+
+namespace emu {
+
+struct Fiber {
+  ucontext_t ctx;
+  std::vector<char> stack;
+  bool done = false;
+};
+
+struct Warp {
+  int live = 0, arrived = 0;
+  unsigned gen = 0;
+  unsigned long long slot[32];
+};
+
+// The block being run: its fibers, the scheduler's context and the barrier state.
+struct Block {
+  std::vector<Fiber> fibers;
+  ucontext_t scheduler;
+  int current = 0, live = 0, arrived = 0;
+  unsigned gen = 0;
+  std::vector<Warp> warps;
+};
+
+inline Block* block = nullptr;
+inline const std::function<void()>* body = nullptr;
+
+inline void yield() { swapcontext(&block->fibers[block->current].ctx, &block->scheduler); }
+
+// Wait until every live thread of the group has arrived (generation barrier; exited threads
+// leave the group, see finish()).
+inline void arrive(int& arrived, int live, unsigned& gen) {
+  const unsigned g = gen;
+  if (++arrived >= live) {
+    arrived = 0;
+    ++gen;
+    return;
+  }
+  while (gen == g) yield();
+}
+
+inline Warp& warp() { return block->warps[threadIdx.x / 32]; }
+
+// Every lane of the warp publishes `v`; `read(slots)` runs once all have; no lane republishes
+// before every lane has read.
+template <class T, class R>
+inline auto exchange(T v, R read) {
+  Warp& w = warp();
+  unsigned long long bits = 0;
+  std::memcpy(&bits, &v, sizeof(T) < 8 ? sizeof(T) : 8);
+  w.slot[threadIdx.x % 32] = bits;
+  arrive(w.arrived, w.live, w.gen);
+  auto out = read(w.slot);
+  arrive(w.arrived, w.live, w.gen);
+  return out;
+}
+
+template <class T>
+inline T from_bits(unsigned long long bits) {
+  T v;
+  std::memcpy(&v, &bits, sizeof(T));
+  return v;
+}
+
+inline void finish() {  // a thread returned from the kernel: it leaves its barriers
+  Warp& w = warp();
+  block->fibers[block->current].done = true;
+  if (--w.live > 0 && w.arrived >= w.live) { w.arrived = 0; ++w.gen; }
+  if (--block->live > 0 && block->arrived >= block->live) { block->arrived = 0; ++block->gen; }
+}
+
+inline void entry() {
+  (*body)();
+  finish();
+}  // returns to uc_link: the scheduler
+
+// Run `kernel` on grid x block threads (1-D), blocks in order, fibers round-robin.
+inline void launch(unsigned grid, unsigned threads, const std::function<void()>& kernel) {
+  gridDim = {grid, 1, 1};
+  blockDim = {threads, 1, 1};
+  body = &kernel;
+  for (unsigned b = 0; b < grid; ++b) {
+    Block blk;
+    blk.fibers.resize(threads);
+    blk.live = (int)threads;
+    blk.warps.resize((threads + 31) / 32);
+    for (unsigned t = 0; t < threads; ++t) blk.warps[t / 32].live++;
+    block = &blk;
+    blockIdx = {b, 0, 0};
+    for (unsigned t = 0; t < threads; ++t) {
+      Fiber& f = blk.fibers[t];
+      f.stack.resize(128 * 1024);
+      getcontext(&f.ctx);
+      f.ctx.uc_stack.ss_sp = f.stack.data();
+      f.ctx.uc_stack.ss_size = f.stack.size();
+      f.ctx.uc_link = &blk.scheduler;
+      makecontext(&f.ctx, entry, 0);
+    }
+    for (bool any = true; any;) {
+      any = false;
+      for (unsigned t = 0; t < threads; ++t) {
+        if (blk.fibers[t].done) continue;
+        any = true;
+        blk.current = (int)t;
+        threadIdx = {t, 0, 0};
+        swapcontext(&blk.scheduler, &blk.fibers[t].ctx);
+      }
+    }
+    block = nullptr;
+  }
+}
+
+}  // namespace emu
+
+inline void __syncthreads() { emu::arrive(emu::block->arrived, emu::block->live, emu::block->gen); }
+inline void __syncwarp(unsigned = 0xffffffffu) {
+  emu::Warp& w = emu::warp();
+  emu::arrive(w.arrived, w.live, w.gen);
+}
+
+template <class T>
+inline T __shfl_sync(unsigned, T v, int src) {
+  return emu::exchange(v, [&](const unsigned long long* s) { return emu::from_bits<T>(s[src & 31]); });
+}
+
+template <class T>
+inline T __shfl_up_sync(unsigned, T v, unsigned d) {
+  const int lane = threadIdx.x % 32;
+  return emu::exchange(v, [&](const unsigned long long* s) {
+    return lane >= (int)d ? emu::from_bits<T>(s[lane - d]) : v;
+  });
+}
+
+inline unsigned __ballot_sync(unsigned, int pred) {
+  const unsigned base = threadIdx.x / 32 * 32;
+  return emu::exchange((unsigned long long)(pred != 0), [&](const unsigned long long* s) {
+    unsigned m = 0;
+    for (unsigned l = 0; l < 32; ++l)
+      if (base + l < blockDim.x && !emu::block->fibers[base + l].done && s[l]) m |= 1u << l;
+    return m;
+  });
+}
+
+inline unsigned __reduce_add_sync(unsigned, unsigned v) {
+  const unsigned base = threadIdx.x / 32 * 32;
+  return emu::exchange((unsigned long long)v, [&](const unsigned long long* s) {
+    unsigned sum = 0;
+    for (unsigned l = 0; l < 32; ++l)
+      if (base + l < blockDim.x && !emu::block->fibers[base + l].done) sum += (unsigned)s[l];
+    return sum;
+  });
+}
