@@ -15,6 +15,7 @@
 #ifndef KVC_VERIFY_MIN_BLOCKS
 #define KVC_VERIFY_MIN_BLOCKS 4  // per SM: caps the narrow kernels at 64 registers (measured best on H200)
 #endif
+#define KVC_RM_MIN_BLOCKS 3      // per SM: 80 registers, so the request-major task needs no spills
 
 struct KvcRecord {
   long long token, position;
@@ -60,16 +61,20 @@ __device__ __forceinline__ T kvc_from_prev_entry(const T* x, int v) {
   return up;
 }
 
-// One warp tile. Lane l holds tile entry i = v * 32 + l (v < VT): `held` entries are plan entries
-// (i = 0 holds the entry before the tile's first, for its chain value only); `live` ones are
-// verified. `nb_prev[v]`: the entry held before this one (i - 1) is its predecessor slot, so its
-// chain value is shuffled across instead of loaded again. SPEC §6 steps 2-3 for every live entry.
+// One warp tile, SPEC §6 steps 2-3 for every live entry. LANES: lane l holds tile entry
+// i = v * 32 + l (v < VT), and the entry held before entry i is i - 1, in the neighbouring lane
+// (i = 0 holds the entry before the tile's first, for its chain value only). Otherwise
+// (request-major tiles) a lane's entries v are consecutive positions of one request, the entry
+// held before v is v - 1 in the same lane, and before v = 0 the one whose chain value is `carry`.
+// `held` entries are loaded, `live` ones verified; `nb_prev[v]`: the entry held before v is its
+// predecessor slot, so that entry's chain value is used instead of loading the record again.
+// Returns the chain value a successor of entry VT - 1 expects (the next request-major carry).
 // Every lane of the warp must call it (shuffles).
-template <int VT, bool WIDE, class P>
-__device__ __forceinline__ void kvc_verify_tile(const P& p, const long long* slot, const long long* prev,
-                                                const long long* etok, const long long* epos, const bool* held,
-                                                const bool* live, const bool* nb_prev, bool check,
-                                                KvcWideStage* stage) {
+template <int VT, bool WIDE, bool LANES, class P>
+__device__ __forceinline__ uint64_t kvc_verify_tile(const P& p, const long long* slot, const long long* prev,
+                                                    const long long* etok, const long long* epos, const bool* held,
+                                                    const bool* live, const bool* nb_prev, bool check,
+                                                    KvcWideStage* stage, uint64_t carry = 0) {
   const bool vec = (p.slot_stride_words & 1) == 0 && ((unsigned long long)p.canary & 15) == 0;
   bool own[VT], direct[VT];  // loads this entry's record; loads the predecessor's record itself
 #pragma unroll
@@ -99,7 +104,7 @@ __device__ __forceinline__ void kvc_verify_tile(const P& p, const long long* slo
 #pragma unroll
   for (int v = 0; v < VT; ++v) succ[v] = kvc_mix3(rec[v].prev_hash, (uint64_t)rec[v].token, (uint64_t)rec[v].position);
 #pragma unroll
-  for (int v = 0; v < VT; ++v) nb_hash[v] = kvc_from_prev_entry<VT>(succ, v);
+  for (int v = 0; v < VT; ++v) nb_hash[v] = LANES ? kvc_from_prev_entry<VT>(succ, v) : (v > 0 ? succ[v > 0 ? v - 1 : 0] : carry);
 #pragma unroll
   for (int v = 0; v < VT; ++v) {
     if (!live[v] || slot[v] == KVC_PADDING_SLOT) continue;
@@ -126,6 +131,7 @@ __device__ __forceinline__ void kvc_verify_tile(const P& p, const long long* slo
       kvc_record(p, slot[v], r.position, r.token, check ? etok[v] : KVC_NO_EXPECTED_TOKEN, r.prev_hash,
                  expected_chain, bits);
   }
+  return succ[VT - 1];
 }
 
 // Warp tiles over the entries: a tile verifies 32 * VT - 1 consecutive entries and also holds the
@@ -199,7 +205,7 @@ __device__ __forceinline__ void kvc_verify_plan(const KvcVerifyParams& p, KvcWid
       const long long nb = kvc_from_prev_entry<VT>(slot, v);
       nb_prev[v] = live[v] && first - 2 + v * 32 + lane >= 0 && nb == prev[v];
     }
-    kvc_verify_tile<VT, WIDE>(p, slot, prev, etok, epos, held, live, nb_prev, check, stage);
+    kvc_verify_tile<VT, WIDE, true>(p, slot, prev, etok, epos, held, live, nb_prev, check, stage);
   }
 }
 
@@ -245,7 +251,81 @@ __device__ __forceinline__ void kvc_verify_fused(const KvcFusedVerifyParams& p, 
       const long long nb = kvc_from_prev_entry<VT>(slot, v);
       prev[v] = inner[v] ? nb : (epos[v] > 0 ? kvc_map_slot(p, raw_prev[v]) : KVC_CHAIN_HEAD);
     }
-    kvc_verify_tile<VT, WIDE>(p, slot, prev, etok, epos, held, live, inner, check, stage);
+    kvc_verify_tile<VT, WIDE, true>(p, slot, prev, etok, epos, held, live, inner, check, stage);
+  }
+}
+
+// Request-major fused verify (narrow fingerprints, batches of at most KVC_RM_MAX_BATCH requests):
+// a warp task is 32 consecutive requests x KVC_RM_CHUNKS * VT consecutive verified positions of
+// each, lane l holding request 32 g + l. Where requests took their slots step by step side by
+// side (decode), one position's slots across the requests are adjacent, so a task's record
+// loads are coalesced; a lane's chain values pass from chunk to chunk in registers, and only the
+// task's first entry loads its predecessor's record. The requests' fields and each group's task
+// count are staged in shared memory once per block.
+struct KvcRmReq {
+  int row, lo, off, n;  // request-pool row, first verified position, first entry, verified entries
+};
+
+template <int VT>
+__device__ __forceinline__ void kvc_verify_fused_rm(const KvcFusedVerifyParams& p) {
+  constexpr int kSpan = KVC_RM_CHUNKS * VT;  // positions of a request per task
+  __shared__ KvcRmReq req[KVC_RM_MAX_BATCH];
+  __shared__ int first_task[KVC_RM_MAX_BATCH / 32 + 1];  // of each 32-request group, then the total
+  const int active = (int)kvc_verify_begin(p, p.verify_enable, p.verify_num_valid, p.verify_capacity);
+  if (active <= 0) return;  // the same in every thread
+  const bool check = p.check_expected_token != 0;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int bs = (int)min(p.batch_size, (long long)KVC_RM_MAX_BATCH), groups = (bs + 31) >> 5;
+  for (int r = threadIdx.x; r < bs; r += blockDim.x) {
+    const KvcRequest q = kvc_request(p, r);
+    const long long o0 = p.entry_offsets[r], o1 = min(p.entry_offsets[r + 1], (long long)active);
+    req[r] = {(int)q.row, (int)q.lo, (int)o0, (int)kvc_clamp(o1 - o0, 0, active)};
+  }
+  __syncthreads();
+  for (int g = warp; g < groups; g += nwarps) {
+    const int r = g * 32 + lane;
+    const unsigned longest = __reduce_max_sync(KVC_FULL_MASK, r < bs ? (unsigned)req[r].n : 0u);
+    if (lane == 0) first_task[g + 1] = (int)((longest + kSpan - 1) / kSpan);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    first_task[0] = 0;
+    for (int g = 0; g < groups; ++g) first_task[g + 1] += first_task[g];
+  }
+  __syncthreads();
+  const int tasks = first_task[groups];
+  for (int t = (int)(((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5); t < tasks;
+       t += (int)(((long long)gridDim.x * blockDim.x) >> 5)) {
+    const int g = __popc(__ballot_sync(KVC_FULL_MASK, lane < groups && first_task[lane + 1] <= t));
+    const int r = g * 32 + lane, q0 = (t - first_task[g]) * kSpan;
+    const KvcRmReq rq = r < bs ? req[r] : KvcRmReq{0, 0, 0, 0};
+    const int* rtt_row = p.req_to_token + (long long)rq.row * p.rtt_row_stride;
+    KvcRequest kq;  // what kvc_expected_token reads of the request
+    kq.row = rq.row;
+    long long carry_slot = KVC_CHAIN_HEAD;  // the predecessor slot of the task's first entry
+    if (q0 < rq.n && rq.lo + q0 > 0) carry_slot = kvc_map_slot(p, rtt_row[rq.lo + q0 - 1]);
+    int raw[kSpan];  // the task's req_to_token entries: one load round for all its chunks
+#pragma unroll
+    for (int i = 0; i < kSpan; ++i) raw[i] = q0 + i < rq.n ? rtt_row[rq.lo + q0 + i] : 0;
+    uint64_t carry = 0;
+#pragma unroll
+    for (int c = 0; c < KVC_RM_CHUNKS; ++c) {
+      long long slot[VT], prev[VT], etok[VT], epos[VT];
+      bool live[VT], inner[VT];
+#pragma unroll
+      for (int v = 0; v < VT; ++v) {
+        const int q = q0 + c * VT + v, pos = rq.lo + q;
+        live[v] = q < rq.n;
+        inner[v] = live[v] && (c > 0 || v > 0);  // the entry held before is this request's pos - 1
+        slot[v] = kvc_map_slot(p, raw[c * VT + v]);
+        prev[v] = v > 0 ? slot[v > 0 ? v - 1 : 0] : carry_slot;
+        epos[v] = pos;
+        etok[v] = KVC_NO_EXPECTED_TOKEN;
+        if (p.expected_pool != 0 && live[v]) etok[v] = kvc_expected_token(p, r, kq, pos);
+      }
+      carry = kvc_verify_tile<VT, false, false>(p, slot, prev, etok, epos, live, live, inner, check, nullptr, carry);
+      carry_slot = slot[VT - 1];
+    }
   }
 }
 
@@ -267,4 +347,9 @@ extern "C" __global__ void __launch_bounds__(KVC_WIDE_VERIFY_THREADS)
 kvc_fused_verify_wide(const __grid_constant__ KvcFusedVerifyParams p) {
   __shared__ KvcWideStage stage[KVC_WIDE_VERIFY_THREADS / 32];
   kvc_verify_fused<1, true>(p, stage);
+}
+
+extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_RM_MIN_BLOCKS)
+kvc_fused_verify_rm(const __grid_constant__ KvcFusedVerifyParams p) {
+  kvc_verify_fused_rm<KVC_VERIFY_LANE_ENTRIES>(p);
 }

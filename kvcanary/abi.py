@@ -52,6 +52,9 @@ BLOCK_THREADS = 256          # verify, write and expand blocks
 PREPARE_THREADS = 1024       # the one block of kvc_prepare
 WIDE_VERIFY_THREADS = 128    # blocks of the warp-cooperative *_wide verify kernels
 VERIFY_LANE_ENTRIES = 2      # entries per lane in a warp tile of the narrow verify kernels
+RM_MIN_BATCH = 32            # kvc_fused_verify_rm (request-major tiles) for batches of 32..1024
+RM_MAX_BATCH = 1024          # requests: its shared-memory staging holds this many
+RM_CHUNKS = 4                # VERIFY_LANE_ENTRIES-position chunks of a request per request-major task
 NO_EXPECTED_TOKEN = -1
 CHAIN_HEAD = -1
 
@@ -252,6 +255,7 @@ KERNELS: dict[str, str] = {
     "kvc_verify_wide": VERIFY_PARAMS.name,              # fingerprints of >= WIDE_HASH_BYTES
     "kvc_fused_verify": FUSED_VERIFY_PARAMS.name,
     "kvc_fused_verify_wide": FUSED_VERIFY_PARAMS.name,
+    "kvc_fused_verify_rm": FUSED_VERIFY_PARAMS.name,    # request-major tiles, batches of RM_*_BATCH
     "kvc_write": WRITE_PARAMS.name,
     "kvc_prepare": PREPARE_PARAMS.name,
     "kvc_expand": EXPAND_PARAMS.name,
@@ -336,6 +340,7 @@ def constants() -> dict[str, int]:
         "KVC_REAL_KV_ALIGN": REAL_KV_ALIGN, "KVC_ECHO_BYTES": ECHO_BYTES,
         "KVC_BLOCK_THREADS": BLOCK_THREADS, "KVC_PREPARE_THREADS": PREPARE_THREADS,
         "KVC_WIDE_VERIFY_THREADS": WIDE_VERIFY_THREADS, "KVC_VERIFY_LANE_ENTRIES": VERIFY_LANE_ENTRIES,
+        "KVC_RM_MAX_BATCH": RM_MAX_BATCH, "KVC_RM_CHUNKS": RM_CHUNKS,
     }
     for name in ("KERNEL_KIND", "SLOT_IDX", "POSITION", "STORED_TOKEN", "EXPECTED_TOKEN",
                  "STORED_CHAIN_HASH", "EXPECTED_AUX", "FAIL_REASON_BITS"):

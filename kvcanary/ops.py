@@ -62,13 +62,18 @@ def _grid(rt, work_items: int, per_block: int = BLOCK) -> int:
 
 def _verify_kernel(name: str, rt, p, capacity: int) -> tuple[str, int, int]:
     """(kernel, grid, block) of a verify launch: the warp-cooperative variant when a source
-    fingerprints long strips, and enough blocks for every warp tile of a full plan (at most 16
-    blocks of 256 threads per SM)."""
+    fingerprints long strips; else, for a fused verify of 32..1024 requests, request-major
+    tiles; and enough blocks for every warp tile of a full plan (at most 16 blocks of 256
+    threads per SM)."""
     wide = any(p.sources[i].hash_bytes >= WIDE_HASH_BYTES for i in range(p.num_sources))
     block = _WIDE_BLOCK if wide else BLOCK
     per_block = (31 if wide else _VERIFY_TILE) * (block // 32)
+    if wide:
+        name = f"{name}_wide"
+    elif name == "kvc_fused_verify" and abi.RM_MIN_BATCH <= p.batch_size <= abi.RM_MAX_BATCH:
+        name, per_block = "kvc_fused_verify_rm", 32 * abi.RM_CHUNKS * abi.VERIFY_LANE_ENTRIES * (block // 32)
     grid = max(1, min(rt.sm_count * 16 * BLOCK // block, -(-capacity // per_block)))
-    return (f"{name}_wide" if wide else name), grid, block
+    return name, grid, block
 
 
 def _runtime(device: int):

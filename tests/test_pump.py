@@ -234,3 +234,22 @@ def test_verify_kernel_follows_the_fingerprinted_bytes(fake, hash_mode, read_byt
     for fn, grid, bx in verifies:  # no block without a tile of a full plan (grid-stride covers any grid)
         per_block = (31 if fn.endswith("_wide") else 63) * (bx // 32)  # entries a warp tile verifies
         assert 1 <= grid <= -(-4096 // per_block)
+
+
+@pytest.mark.parametrize("batch_size,wide,kernel", [
+    (1, False, "kvc_fused_verify"), (31, False, "kvc_fused_verify"),          # too few for a 32-request group
+    (32, False, "kvc_fused_verify_rm"), (1024, False, "kvc_fused_verify_rm"),  # request-major tiles
+    (1025, False, "kvc_fused_verify"),                                         # beyond its shared staging
+    (256, True, "kvc_fused_verify_wide"),                                      # long strips win
+])
+def test_fused_verify_tiling_follows_the_batch_size(batch_size, wide, kernel):
+    import types
+    from kvcanary import ops
+    p = abi.FusedVerifyParams()
+    p.batch_size, p.num_sources = batch_size, int(wide)
+    p.sources[0].hash_bytes = 1024
+    rt = types.SimpleNamespace(sm_count=132)
+    name, grid, block = ops._verify_kernel("kvc_fused_verify", rt, p, 1 << 20)
+    assert name == kernel and block == (128 if wide else 256)
+    assert 1 <= grid * block <= 132 * 16 * 256  # at most 16 blocks of 256 threads per SM
+    assert ops._verify_kernel("kvc_verify", rt, p, 1 << 20)[0] == ("kvc_verify_wide" if wide else "kvc_verify")

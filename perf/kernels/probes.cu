@@ -126,3 +126,46 @@ kvcp_verify_loads(const long long* canary, long long stride_words,
   }
   if (acc == key) out[tid & 1023] = acc;
 }
+
+// "Same loads, no compute" of the request-major fused verify (kvc_fused_verify_rm): a warp task
+// is 32 consecutive requests (uniform `per_req` entries each, from position 0) x `span`
+// consecutive positions; each lane reads its request's row fields, the task's req_to_token
+// entries and the one before them, every entry's 32-byte record, the predecessor record of the
+// task's first entry only, and `hash_bytes` of each entry's strip with 16-byte loads.
+extern "C" __global__ void __launch_bounds__(256)
+kvcp_verify_loads_rm(const long long* canary, long long stride_words, const long long* req_pool_indices,
+                     const int* req_to_token, long long rtt_stride, long long bs, long long per_req, int span,
+                     const unsigned char* src, long long src_row_stride, long long page_size,
+                     long long bytes_per_token, long long hash_bytes, unsigned long long key,
+                     unsigned long long* out) {
+  const int lane = threadIdx.x & 31;
+  const long long chunks = (per_req + span - 1) / span, tasks = (bs + 31) / 32 * chunks;
+  const long long n16 = hash_bytes >> 4;
+  unsigned long long acc = 0;
+  for (long long t = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; t < tasks;
+       t += ((long long)gridDim.x * blockDim.x) >> 5) {
+    const long long r = t / chunks * 32 + lane, p0 = t % chunks * span;
+    if (r >= bs) continue;
+    const int* row = req_to_token + req_pool_indices[r] * rtt_stride;
+    if (p0 > 0) {
+      const long long prev = row[p0 - 1];
+      if (prev > 0) {
+        const unsigned long long* g = reinterpret_cast<const unsigned long long*>(canary + prev * stride_words);
+        acc ^= g[0] ^ g[1] ^ g[2];
+      }
+    }
+    for (long long pos = p0; pos < p0 + span && pos < per_req; ++pos) {
+      const long long slot = row[pos];
+      if (slot == 0) continue;
+      const ulonglong2* f = reinterpret_cast<const ulonglong2*>(canary + slot * stride_words);
+      const ulonglong2 a = f[0], b = f[1];
+      acc ^= a.x ^ a.y ^ b.x ^ b.y;
+      const ulonglong2* p = kvcp_strip(src, src_row_stride, page_size, bytes_per_token, slot);
+      for (long long i = 0; i < n16; ++i) {
+        const ulonglong2 v = __ldg(p + i);
+        acc ^= v.x ^ v.y;
+      }
+    }
+  }
+  if (acc == key) out[threadIdx.x] = acc;
+}

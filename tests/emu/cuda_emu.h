@@ -190,3 +190,13 @@ inline unsigned __reduce_add_sync(unsigned, unsigned v) {
     return sum;
   });
 }
+
+inline unsigned __reduce_max_sync(unsigned, unsigned v) {
+  const unsigned base = threadIdx.x / 32 * 32;
+  return emu::exchange((unsigned long long)v, [&](const unsigned long long* s) {
+    unsigned m = 0;
+    for (unsigned l = 0; l < 32; ++l)
+      if (base + l < blockDim.x && !emu::block->fibers[base + l].done && s[l] > m) m = (unsigned)s[l];
+    return m;
+  });
+}
