@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 
 from . import abi
@@ -27,7 +26,7 @@ PRELUDE_NAME = "kvcanary_abi.cuh"
 
 def kernels_dir() -> Path:
     """kernels_src/ shipped inside the wheel (kvcanary/kernels_src) or beside a source checkout."""
-    packaged = Path(str(resources.files(__package__))) / "kernels_src"
+    packaged = Path(__file__).resolve().parent / "kernels_src"
     if packaged.is_dir():
         return packaged
     return Path(__file__).resolve().parent.parent / "kernels_src"
@@ -63,16 +62,32 @@ def nvrtc_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
+def installed_version(distribution: str) -> str | None:
+    """Version of an installed distribution, read from the name of its ``.dist-info`` folder on
+    sys.path (first match, as importlib.metadata finds it) without importing importlib.metadata,
+    which costs more than the rest of a warm ``import kvcanary`` here."""
+    prefix = distribution.replace("-", "_").lower() + "-"
+    for entry in sys.path:
+        try:
+            with os.scandir(entry or ".") as names:
+                for e in names:
+                    name = e.name.lower()
+                    if name.startswith(prefix) and name.endswith(".dist-info"):
+                        return e.name[len(prefix):-len(".dist-info")]
+        except OSError:  # a zip file or a missing folder on sys.path
+            continue
+    return None
+
+
 def nvrtc_identity() -> str:
     """What names the NVRTC in use for the cache key, without loading libnvrtc when possible
     (loading it costs a few hundred ms): the nvidia-cuda-nvrtc wheel's exact version, else the
     library's own major.minor."""
-    from importlib import metadata
-    try:
-        return "wheel " + metadata.version("nvidia-cuda-nvrtc")
-    except metadata.PackageNotFoundError:
-        major, minor = nvrtc_version()
-        return f"lib {major}.{minor}"
+    version = installed_version("nvidia-cuda-nvrtc")
+    if version is not None:
+        return "wheel " + version
+    major, minor = nvrtc_version()
+    return f"lib {major}.{minor}"
 
 
 def supported_archs() -> tuple[int, ...]:
@@ -162,6 +177,7 @@ def load_kernels(archs: tuple[int, ...] | None = None, cache: CubinCache | None 
                           f"(supported: {sorted(available)}). Fix: set KVCANARY_ARCHS to supported "
                           f"archs or upgrade nvidia-cuda-nvrtc.", RuntimeWarning, stacklevel=2)
         todo = [a for a in todo if a in available]
+        from concurrent.futures import ThreadPoolExecutor  # only on a cache miss
         with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1)) as pool:
             for a, cubin in zip(todo, pool.map(lambda a: compile_cubin(sources, prelude, a), todo)):
                 cache.put(keys[a], cubin)

@@ -105,3 +105,28 @@ def test_import_never_calls_cuinit(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=os.getcwd())
     assert out.returncode == 0, out.stderr + out.stdout
     assert "driver calls: []" in out.stdout
+
+
+def test_installed_version_matches_importlib_metadata(tmp_path, monkeypatch):
+    from importlib import metadata
+    for dist in ("numpy", "nvidia-cuda-nvrtc", "cuda-bindings"):
+        try:
+            want = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            want = None
+        assert kc_compile.installed_version(dist) == want, dist
+    assert kc_compile.installed_version("kvcanary-no-such-distribution") is None
+    # first match on sys.path wins, zip files and missing folders are skipped
+    (tmp_path / "Nvidia_Cuda_Nvrtc-99.1.dist-info").mkdir()
+    monkeypatch.setattr(sys, "path", [str(tmp_path / "missing"), str(tmp_path / "x.zip"), str(tmp_path), *sys.path])
+    assert kc_compile.installed_version("nvidia-cuda-nvrtc") == "99.1"
+    assert kc_compile.nvrtc_identity() == "wheel 99.1"
+
+
+def test_warm_import_loads_neither_importlib_metadata_nor_a_thread_pool(tmp_path):
+    code = ("import sys, kvcanary; bad = [m for m in ('importlib.metadata', 'importlib.resources', "
+            "'concurrent.futures', 'email') if m in sys.modules]; print(bad)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "KVCANARY_CACHE_DIR": str(tmp_path)}
+    for _ in range(2):  # the first import may compile (a thread pool); the second is warm
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.strip() == "[]"
