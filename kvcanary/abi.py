@@ -138,7 +138,9 @@ SOURCE_DESC = StructDecl("KvcSourceDesc", (
     _F("_pad0", "i32"),
 ))
 
-# Fields every canary launch shares: the buffer, the sink, the counters and the sources.
+# Fields every canary launch shares: the buffer, the sink, the counters and the sources. The
+# sources are a device array of the context (num_sources KvcSourceDesc), not inline: params
+# stay ~150 bytes, which is what cuLaunchKernel copies and the GPU loads per launch.
 _COMMON = (
     _F("canary", "ptr:long long"),
     _F("slot_stride_words", "i64"),  # slot stride in int64 words
@@ -150,7 +152,7 @@ _COMMON = (
     _F("slot_run_counter", "ptr:unsigned long long"),
     _F("tag", "i32"),
     _F("num_sources", "i32"),
-    _F("sources", "struct:KvcSourceDesc", MAX_REAL_KV_SOURCES),
+    _F("sources", "ptr:const KvcSourceDesc"),
 )
 
 VERIFY_PARAMS = StructDecl("KvcVerifyParams", _COMMON + (

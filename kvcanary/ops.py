@@ -60,12 +60,12 @@ def _grid(rt, work_items: int, per_block: int = BLOCK) -> int:
     return max(1, min(rt.sm_count * (2048 // BLOCK), -(-work_items // per_block)))
 
 
-def _verify_kernel(name: str, rt, p, capacity: int) -> tuple[str, int, int]:
+def _verify_kernel(name: str, rt, p, capacity: int, hash_bytes: tuple[int, ...]) -> tuple[str, int, int]:
     """(kernel, grid, block) of a verify launch: the warp-cooperative variant when a source
     fingerprints long strips; else, for a fused verify of 32..1024 requests, request-major
     tiles; and enough blocks for every warp tile of a full plan (at most 16 blocks of 256
     threads per SM)."""
-    wide = any(p.sources[i].hash_bytes >= WIDE_HASH_BYTES for i in range(p.num_sources))
+    wide = any(h >= WIDE_HASH_BYTES for h in hash_bytes)
     block = _WIDE_BLOCK if wide else BLOCK
     per_block = (31 if wide else _VERIFY_TILE) * (block // 32)
     if wide:
@@ -121,7 +121,7 @@ def prepare_verify(ctx: VerifyContext, plan: StepPlan, *, check_expected_token: 
     p.plan_capacity, p.check_expected_token = plan.verify_capacity, int(bool(check_expected_token))
     rt = _runtime(ctx.device)
     s = streams.resolve(stream, (ctx.buffer.array, plan.slot), views.values(), ctx.device)
-    name, grid, block = _verify_kernel("kvc_verify", rt, p, plan.verify_capacity)
+    name, grid, block = _verify_kernel("kvc_verify", rt, p, plan.verify_capacity, ctx.hash_bytes)
     return Launch(rt, name, grid, block, p, s, (ctx, plan))
 
 
@@ -281,5 +281,5 @@ def prepare_fused_verify(ctx: VerifyContext, batch: Batch, plan: StepPlan, *, sw
     p.check_expected_token = int(bool(check_expected_token))
     rt = _runtime(ctx.device)
     s = streams.resolve(stream, (batch.req_pool_indices, ctx.buffer.array), v.values(), ctx.device)
-    name, grid, block = _verify_kernel("kvc_fused_verify", rt, p, plan.verify_capacity)
+    name, grid, block = _verify_kernel("kvc_fused_verify", rt, p, plan.verify_capacity, ctx.hash_bytes)
     return Launch(rt, name, grid, block, p, s, (ctx, batch, plan, swa_map))

@@ -136,6 +136,7 @@ class VerifyContext:
                                  shape=(1,), ndim=1)
         same_device([self.buffer.view, self.sink.ring_view, self.flag_view,
                      *(m.view for m in self.marshalled)], "a VerifyContext")
+        self.source_descs = self._pack_sources()
         self.common = self._pack_common()
 
     @property
@@ -151,6 +152,24 @@ class VerifyContext:
             from . import memory
             memory.copy_from_host_ptr(self.flag_view.ptr, value, self.device)
 
+    def _pack_sources(self):
+        """The KvcSourceDesc array the kernels read (device memory of the context; host memory
+        for a host context, whose launches the reference runs). At least one element."""
+        descs = (abi.SourceDesc * max(1, len(self.marshalled)))()
+        for d, m in zip(descs, self.marshalled):
+            d.base, d.row_stride = m.view.ptr, m.view.strides[0]
+            d.page_size, d.bytes_per_token, d.hash_bytes = m.page_size, m.bytes_per_token, m.hash_bytes
+        raw = np.frombuffer(bytes(descs), np.uint8)
+        if self.device is None:
+            return raw.copy()
+        from . import memory
+        return memory.to_device(raw, device=self.device)
+
+    @property
+    def hash_bytes(self) -> tuple[int, ...]:
+        """Bytes fingerprinted per slot of each source, in order."""
+        return tuple(m.hash_bytes for m in self.marshalled)
+
     def _pack_common(self) -> bytes:
         p = abi.VerifyParams()
         p.canary = self.buffer.view.ptr
@@ -163,10 +182,8 @@ class VerifyContext:
         p.slot_run_counter = self.sink.slot_run_view.ptr
         p.tag = int(self.tag)
         p.num_sources = len(self.marshalled)
-        for i, m in enumerate(self.marshalled):
-            d = p.sources[i]
-            d.base, d.row_stride = m.view.ptr, m.view.strides[0]
-            d.page_size, d.bytes_per_token, d.hash_bytes = m.page_size, m.bytes_per_token, m.hash_bytes
+        s = self.source_descs
+        p.sources = s.ctypes.data if isinstance(s, np.ndarray) else s.ptr
         return bytes(p)[:COMMON_BYTES]
 
     def params(self, struct_type):

@@ -246,10 +246,10 @@ def test_fused_verify_tiling_follows_the_batch_size(batch_size, wide, kernel):
     import types
     from kvcanary import ops
     p = abi.FusedVerifyParams()
-    p.batch_size, p.num_sources = batch_size, int(wide)
-    p.sources[0].hash_bytes = 1024
-    rt = types.SimpleNamespace(sm_count=132)
-    name, grid, block = ops._verify_kernel("kvc_fused_verify", rt, p, 1 << 20)
+    p.batch_size = batch_size
+    rt, hash_bytes = types.SimpleNamespace(sm_count=132), (16, 1024) if wide else (16,)
+    name, grid, block = ops._verify_kernel("kvc_fused_verify", rt, p, 1 << 20, hash_bytes)
     assert name == kernel and block == (128 if wide else 256)
     assert 1 <= grid * block <= 132 * 16 * 256  # at most 16 blocks of 256 threads per SM
-    assert ops._verify_kernel("kvc_verify", rt, p, 1 << 20)[0] == ("kvc_verify_wide" if wide else "kvc_verify")
+    want = "kvc_verify_wide" if wide else "kvc_verify"
+    assert ops._verify_kernel("kvc_verify", rt, p, 1 << 20, hash_bytes)[0] == want
