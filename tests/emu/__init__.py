@@ -28,9 +28,22 @@ GLOBALS = ("kvc_echo_buffer",)   # __device__ variables the host looks up by nam
 MAX_BLOCKS = 4                   # grid-stride kernels: any grid is correct; fewer blocks run faster
 
 
+_PROBE = "#include <ucontext.h>\n#include <functional>\nstatic ucontext_t u;\nint main() { return getcontext(&u); }\n"
+
+
+@functools.lru_cache(maxsize=None)
 def unavailable_reason() -> str | None:
+    """Why the emulator cannot be built here (no compiler, or one without C++17 and ucontext),
+    or None. A failure to build the kernels themselves is an error, not a reason to skip."""
     if shutil.which(COMPILER) is None:
         return f"no host C++ compiler ({COMPILER}) to build the kernel emulator"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = Path(tmp) / "probe.cpp"
+        src.write_text(_PROBE)
+        done = subprocess.run([COMPILER, "-std=c++17", str(src), "-o", str(Path(tmp) / "probe")],
+                              capture_output=True, text=True, check=False)
+    if done.returncode:
+        return f"{COMPILER} cannot build a C++17 ucontext program: {done.stderr.strip()[-300:]}"
     return None
 
 
