@@ -34,6 +34,8 @@ def pytest_collection_modifyitems(config, items):
         if item.get_closest_marker("gpu") is not None and not emulated(item):  # the marker, not the folder name
             reason = gpu_unavailable_reason()
             if reason:
+                if item.get_closest_marker("emulated") is not None:
+                    reason = f"{emulator_unavailable_reason()}; and {reason}"
                 item.add_marker(pytest.mark.skip(reason=f"gpu tier: {reason}"))
 
 
