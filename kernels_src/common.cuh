@@ -23,6 +23,14 @@ __device__ __forceinline__ long long kvc_clamp(long long v, long long lo, long l
   return v < lo ? lo : (v > hi ? hi : v);
 }
 
+// Hint: bring the 32-byte sector at `p` into L2 (no register, no wait). The CPU emulator of the
+// tests has no cache: a no-op there.
+__device__ __forceinline__ void kvc_prefetch_l2(const void* p) {
+#ifndef KVC_EMULATED
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#endif
+}
+
 // Strip address of `slot` in source s (SPEC §4).
 __device__ __forceinline__ const ulonglong2* kvc_strip(const KvcSourceDesc& s, long long slot) {
   const long long row = s.page_size == 1 ? slot : slot / s.page_size, col = slot - row * s.page_size;

@@ -260,8 +260,10 @@ __device__ __forceinline__ void kvc_verify_fused(const KvcFusedVerifyParams& p, 
 // each, lane l holding request 32 g + l. Where requests took their slots step by step side by
 // side (decode), one position's slots across the requests are adjacent, so a task's record
 // loads are coalesced; a lane's chain values pass from chunk to chunk in registers, and only the
-// task's first entry loads its predecessor's record. The requests' fields and each group's task
-// count are staged in shared memory once per block.
+// task's first entry loads its predecessor's record. The task's req_to_token entries come in one
+// load round, then the later chunks' records are prefetched to L2, so their loads (which wait for
+// the previous chunk's checks) hit L2. (Prefetching the strips too would spill at 80 registers.)
+// The requests' fields and each group's task count are staged in shared memory once per block.
 struct KvcRmReq {
   int row, lo, off, n;  // request-pool row, first verified position, first entry, verified entries
 };
@@ -307,6 +309,9 @@ __device__ __forceinline__ void kvc_verify_fused_rm(const KvcFusedVerifyParams& 
     int raw[kSpan];  // the task's req_to_token entries: one load round for all its chunks
 #pragma unroll
     for (int i = 0; i < kSpan; ++i) raw[i] = q0 + i < rq.n ? rtt_row[rq.lo + q0 + i] : 0;
+#pragma unroll
+    for (int i = VT; i < kSpan; ++i)  // the later chunks' records on their way to L2 now
+      if (q0 + i < rq.n) kvc_prefetch_l2(kvc_slot(p, kvc_clamp(kvc_map_slot(p, raw[i]), 0, p.num_slots - 1)));
     uint64_t carry = 0;
 #pragma unroll
     for (int c = 0; c < KVC_RM_CHUNKS; ++c) {
