@@ -5,7 +5,8 @@ Verify: decode bs 256 x context 4096 = 1M entries, identity-only, PARTIAL (1 sou
 path (``kvcanary.fused_verify``); each against (a) the bytes it must touch / copy bandwidth and
 (b) its "same loads, no compute" probe. Slots are laid out as a decoding engine's allocator
 leaves them (perf/workloads.py); the fused path also runs on contiguous and random layouts, to
-show how much of the gap to the bytes bound is the access pattern's. Write: 256 requests x 1 token (decode) and 1 x 32768
+show how much of the gap to the bytes bound is the access pattern's, and where ops launches the
+request-major kernel, the entry-major one runs the same launch for comparison. Write: 256 requests x 1 token (decode) and 1 x 32768
 (prefill), identity-only and ALL; a prefill against the serial-chain probe. GPU time by CUDA
 events, L2 flushed before each repetition. Every timed launch must leave the ring empty.
 """
@@ -23,6 +24,18 @@ ALL_BANDWIDTH_TARGET = (">=", 0.7)
 PREFILL_TARGETS = {"identity": ("<=", 1.3), "all": ("<=", 1.5)}
 
 
+def entry_major(ctx, w, plan):
+    """fn(stream) running a fused verify that ops sends to the request-major kernel on the
+    entry-major one instead (same packed params), or None when ops picks entry-major anyway."""
+    from kvcanary import abi, ops
+    launch = ops.prepare_fused_verify(ctx, w.batch, plan)
+    if launch.name != "kvc_fused_verify_rm":
+        return None
+    per_block = (32 * abi.VERIFY_LANE_ENTRIES - 1) * (abi.BLOCK_THREADS // 32)
+    grid = max(1, min(launch.rt.sm_count * 16, -(-plan.verify_capacity // per_block)))
+    return lambda s: launch.rt.launch("kvc_fused_verify", grid, abi.BLOCK_THREADS, launch.address, s)
+
+
 @pytest.mark.parametrize("design,layout", [("fused", "decode"), ("plan", "decode"),
                                            ("fused", "contiguous"), ("fused", "random")])
 @pytest.mark.parametrize("mode", list(MODES))
@@ -37,10 +50,13 @@ def test_verify_throughput(report, workloads, timer, bounds, mode, design, layou
     else:
         run = lambda s: kc.fused_verify(ctx, w.batch, plan, stream=s)  # noqa: E731
 
-    def measure():
-        return timer.gpu_time(run), bounds.verify_probe(w, mode, plan if planned else None)
+    em = None if planned else entry_major(ctx, w, plan)
 
-    t, (probe, probes) = report.measure(measure)
+    def measure():
+        return (timer.gpu_time(run), bounds.verify_probe(w, mode, plan if planned else None),
+                em and timer.gpu_time(em))
+
+    t, (probe, probes), t_em = report.measure(measure)
     assert w.violations() == 0, "the benchmark workload must verify clean"
     copy = bounds.copy_bandwidth
     must, touched = w.verify_bytes(mode), w.verify_touched(mode, planned)
@@ -51,6 +67,9 @@ def test_verify_throughput(report, workloads, timer, bounds, mode, design, layou
     report.row(name, t, "s", bound=must / copy, bound_name="bytes it must touch / copy bw",
                target=target, **common)
     report.row(f"{name}: vs same-loads probe", t, "s", bound=probe, bound_name="same-loads probe")
+    if t_em is not None:
+        report.row(f"{name}: entry-major tiles / request-major", t_em, "s", bound=t,
+                   bound_name="kvc_fused_verify_rm", ratio=t_em / t, entry_major_probe_s=probes.get("per_lane"))
     if mode == "all":
         report.row(f"{name}: bytes read / copy bandwidth", touched / t, "B/s", bound=copy,
                    bound_name="copy bw", target=ALL_BANDWIDTH_TARGET if (design, layout) == ("fused", "decode") else None)
