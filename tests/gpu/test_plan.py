@@ -114,15 +114,15 @@ def test_large_batch_16384_requests():
 
 
 # ---- the warp-tiled verify kernels on clean, stamped engine state -------------------------------
-def stamped_engine(seed, *, mode, stride, sources, swa):
-    """A host engine state stamped by the reference write: ~300 requests of very uneven length
+def stamped_engine(seed, *, mode, stride, sources, swa, bs=300, lengths=(0, 0, 1, 2, 3, 33, 200, 700)):
+    """A host engine state stamped by the reference write: ``bs`` requests of very uneven length
     (many empty or 1-3 tokens, so warp tiles span many requests), real-KV pools per ``sources``
     ((page_size, bytes_per_token, read_bytes) each), a canary buffer of ``stride`` bytes per slot,
     then a few corrupted records, KV bytes and req_to_token entries. Returns the host arrays and
     the verify batch (padding rows interleaved, prefixes at or below the stamped lengths)."""
     rng = np.random.default_rng(seed)
-    bs = 300
-    lens = rng.choice([0, 0, 1, 2, 3, 33, 200, 700], bs).astype(np.int64)
+    lens = rng.choice(lengths, bs).astype(np.int64)
+    lens[rng.choice(bs, 2, replace=False)] = max(lengths)  # two long requests to corrupt below
     max_len, num_slots = 720, int(lens.sum()) + 64
     rtt = np.zeros((bs + 1, max_len), np.int32)
     free = rng.permutation(np.arange(1, num_slots))
@@ -169,8 +169,8 @@ def stamped_engine(seed, *, mode, stride, sources, swa):
     (33, abi.HashMode.ALL, 40, [(16, 208, 208), (1, 48, 48)], True),       # wide, odd strips
     (34, abi.HashMode.ALL, 32, [(4, 48, 48)], False),                      # narrow ALL
 ])
-def test_tiled_verify_kernels_equal_reference_on_stamped_state(seed, mode, stride, sources, swa):
-    canary, pools, srcs, batch, kw = stamped_engine(seed, mode=mode, stride=stride, sources=sources, swa=swa)
+def test_tiled_verify_kernels_equal_reference_on_stamped_state(seed, mode, stride, sources, swa, engine=None):
+    canary, pools, srcs, batch, kw = engine or stamped_engine(seed, mode=mode, stride=stride, sources=sources, swa=swa)
     bs = len(batch["req_pool_indices"])
 
     def host_run():
@@ -203,6 +203,18 @@ def test_tiled_verify_kernels_equal_reference_on_stamped_state(seed, mode, strid
 
     want = effects(host_run())
     assert 0 < want[1] < 200, "a mostly clean state with a few corruptions"
-    assert want[3] > 5000, "enough verified entries to span many warp tiles"
+    assert want[3] > (5000 if engine is None else 500), "enough verified entries to span many warp tiles"
     assert effects(gpu_run(fused=True)) == want
     assert effects(gpu_run(fused=False)) == want
+
+
+@pytest.mark.parametrize("bs", [32, 33, 95, 1024, 1025])
+@pytest.mark.parametrize("swa", [False, True])
+def test_request_major_verify_at_its_batch_edges(bs, swa):
+    """The fused verify of 32..1024 requests runs request-major tasks (kvc_fused_verify_rm): full
+    and partial 32-request groups, the largest batch its shared staging holds and the first one
+    past it (entry-major again), lengths that end mid-task, SWA windows that start mid-task."""
+    engine = stamped_engine(40 + bs, mode=abi.HashMode.PARTIAL, stride=32, sources=[(16, 64, 64)], swa=swa,
+                            bs=bs, lengths=(0, 1, 2, 3, 7, 8, 9, 15, 17, 40, 130, 260))
+    test_tiled_verify_kernels_equal_reference_on_stamped_state(None, abi.HashMode.PARTIAL, 32, [(16, 64, 64)],
+                                                               swa, engine=engine)
