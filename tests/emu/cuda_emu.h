@@ -171,32 +171,28 @@ inline T __shfl_up_sync(unsigned, T v, unsigned d) {
   });
 }
 
-inline unsigned __ballot_sync(unsigned, int pred) {
+namespace emu {
+// `op` folded over the values the warp's live lanes published (exited lanes take no part).
+template <class Op>
+inline unsigned fold_warp(unsigned v, unsigned init, Op op) {
   const unsigned base = threadIdx.x / 32 * 32;
-  return emu::exchange((unsigned long long)(pred != 0), [&](const unsigned long long* s) {
-    unsigned m = 0;
+  return exchange((unsigned long long)v, [&](const unsigned long long* s) {
+    unsigned acc = init;
     for (unsigned l = 0; l < 32; ++l)
-      if (base + l < blockDim.x && !emu::block->fibers[base + l].done && s[l]) m |= 1u << l;
-    return m;
+      if (base + l < blockDim.x && !block->fibers[base + l].done) acc = op(acc, (unsigned)s[l], l);
+    return acc;
   });
+}
+}  // namespace emu
+
+inline unsigned __ballot_sync(unsigned, int pred) {
+  return emu::fold_warp(pred != 0, 0u, [](unsigned m, unsigned x, unsigned l) { return x ? m | 1u << l : m; });
 }
 
 inline unsigned __reduce_add_sync(unsigned, unsigned v) {
-  const unsigned base = threadIdx.x / 32 * 32;
-  return emu::exchange((unsigned long long)v, [&](const unsigned long long* s) {
-    unsigned sum = 0;
-    for (unsigned l = 0; l < 32; ++l)
-      if (base + l < blockDim.x && !emu::block->fibers[base + l].done) sum += (unsigned)s[l];
-    return sum;
-  });
+  return emu::fold_warp(v, 0u, [](unsigned a, unsigned x, unsigned) { return a + x; });
 }
 
 inline unsigned __reduce_max_sync(unsigned, unsigned v) {
-  const unsigned base = threadIdx.x / 32 * 32;
-  return emu::exchange((unsigned long long)v, [&](const unsigned long long* s) {
-    unsigned m = 0;
-    for (unsigned l = 0; l < 32; ++l)
-      if (base + l < blockDim.x && !emu::block->fibers[base + l].done && s[l] > m) m = (unsigned)s[l];
-    return m;
-  });
+  return emu::fold_warp(v, 0u, [](unsigned a, unsigned x, unsigned) { return x > a ? x : a; });
 }
