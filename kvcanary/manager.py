@@ -87,6 +87,9 @@ class KvCanary:
                 buffers["HEAD" if head else "TAIL", g, h], sink, abi.LaunchTag[f"{st}_{h}_{g}"],
                 sources, abi.HashMode.NONE if head else hm, chain_position_assert=flag)
         self._names, self._ring, self.ring_capacity = names, ring, ring_capacity
+        # contexts whose slot runs the stats count: TAIL writes (protected tokens), all verifies
+        self._tail_writes = np.array([i for i, nm in enumerate(names) if nm[0] == "TAIL" and nm[3] == "write"], np.intp)
+        self._verifies = np.array([i for i, nm in enumerate(names) if nm[3] == "verify"], np.intp)
         if chain_position_assert:
             next(iter(self.ctx.values())).set_chain_position_assert(True)
         base = 1 + 2 * len(names)
@@ -311,10 +314,9 @@ class KvCanary:
     def stats(self, runs=None, wi=None, step=None) -> dict:
         if runs is None:
             runs = self._runs(self._last[0]) if self._last else np.zeros((len(self._names), 2), np.int64)
-        idx = lambda st, op: [i for i, nm in enumerate(self._names) if nm[0] == st and nm[3] == op]  # noqa: E731
         return {"step": self.step if step is None else step,
-                "protected_tokens": int(runs[idx("TAIL", "write"), 1].sum()),
-                "verified_slots": int(sum(runs[idx(st, "verify"), 1].sum() for st in ("HEAD", "TAIL", "SWEEP"))),
+                "protected_tokens": int(runs[self._tail_writes, 1].sum()),
+                "verified_slots": int(runs[self._verifies, 1].sum()),
                 "violations": self.reporter.reported if wi is None else int(wi),
                 "skipped_verifies": self._skipped}
 
