@@ -43,9 +43,18 @@ namespace emu {
 
 struct Fiber {
   ucontext_t ctx;
-  std::vector<char> stack;
   bool done = false;
 };
+
+constexpr size_t kStackBytes = 128 * 1024;
+
+// Fiber stacks, allocated once per thread index and reused by every block (never zeroed: a
+// fresh stack's contents are as undefined as a CUDA thread's registers).
+inline char* stack_of(unsigned t) {
+  static std::vector<char*> stacks;
+  while (stacks.size() <= t) stacks.push_back(static_cast<char*>(std::malloc(kStackBytes)));
+  return stacks[t];
+}
 
 struct Warp {
   int live = 0, arrived = 0;
@@ -129,10 +138,9 @@ inline void launch(unsigned grid, unsigned threads, const std::function<void()>&
     blockIdx = {b, 0, 0};
     for (unsigned t = 0; t < threads; ++t) {
       Fiber& f = blk.fibers[t];
-      f.stack.resize(128 * 1024);
       getcontext(&f.ctx);
-      f.ctx.uc_stack.ss_sp = f.stack.data();
-      f.ctx.uc_stack.ss_size = f.stack.size();
+      f.ctx.uc_stack.ss_sp = stack_of(t);
+      f.ctx.uc_stack.ss_size = kStackBytes;
       f.ctx.uc_link = &blk.scheduler;
       makecontext(&f.ctx, entry, 0);
     }
