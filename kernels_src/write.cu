@@ -1,14 +1,23 @@
 // Write kernel (SPEC §7). One block per request (grid-stride over requests), entries in chunks of
-// 224, three chunks in flight: while thread 0 advances the serial chain over chunk k (reading
-// tokens and positions from shared memory), warps 1.. check and store chunk k - 1 with the chain
-// values thread 0 produced for it, then load chunk k + 1 and fingerprint its slots' real KV. One
-// barrier per chunk; the chain thread never waits for memory, so a long prefill is bound by the
-// chain's arithmetic, not by memory latency, the real-KV folds or the stores. Graph-safe: per-step
-// values live on the device.
+// 192, three chunks in flight: while thread 0 advances the serial chain over chunk k (reading
+// tokens and positions from shared memory), six worker warps check and store chunk k - 1 with the
+// chain values thread 0 produced for it, then load chunk k + 1 and fingerprint its slots' real KV.
+// One barrier per chunk; the chain thread never waits for memory, so a long prefill is bound by
+// the chain's arithmetic, not by memory latency, the real-KV folds or the stores. Warp 4 stays
+// idle: an SM spreads a block's warps over its four schedulers by warp index mod 4, so warp 4
+// would compete with the chain for warp 0's issue slots. Graph-safe: per-step values live on the
+// device.
 #include "common.cuh"
 
-#define KVC_WRITE_WORKERS ((int)KVC_BLOCK_THREADS - 32)  // warps 1..: loads, folds and stores
-#define KVC_WRITE_CHUNK KVC_WRITE_WORKERS       // one entry per worker thread per chunk
+static_assert(KVC_BLOCK_THREADS == 256, "the write kernel's warp roles assume 8 warps");
+#define KVC_WRITE_WORKERS 192                // warps 1-3 and 5-7: loads, folds and stores
+#define KVC_WRITE_CHUNK KVC_WRITE_WORKERS    // one entry per worker thread per chunk
+
+// Worker index of thread `tid` (0..191), or -1: warp 0 runs the chain, warp 4 idles (see above).
+__device__ __forceinline__ int kvc_write_worker(int tid) {
+  const int warp = tid >> 5;
+  return (warp == 0 || warp == 4) ? -1 : tid - (warp < 4 ? 32 : 64);
+}
 
 struct KvcWriteStage {
   long long slot[KVC_WRITE_CHUNK];
@@ -107,7 +116,7 @@ __device__ __forceinline__ unsigned kvc_write_store(const KvcWriteParams& p, con
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_write(const __grid_constant__ KvcWriteParams p) {
   __shared__ KvcWriteStage stage[3];   // chunk k % 3: chained, stored (k - 1) and loaded (k + 1) at once
   __shared__ KvcWriteChain chain[2];   // chain values of chunk k % 2
-  const int tid = threadIdx.x, worker = tid - 32;
+  const int tid = threadIdx.x, worker = kvc_write_worker(tid);
   if (blockIdx.x == 0 && tid == 0) atomicAdd(p.kernel_run_counter, 1ULL);
   const long long num_reqs = kvc_clamp(*p.num_valid_reqs, 0, p.req_capacity);
   const long long T = p.num_tokens;

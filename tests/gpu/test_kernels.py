@@ -80,7 +80,7 @@ def test_long_chain_single_request():
 
 
 def test_write_repeated_slots_last_occurrence_stores():
-    """A request that writes a slot several times (within one 224-entry chunk and across chunks):
+    """A request that writes a slot several times (within one 192-entry chunk and across chunks):
     the record of its last occurrence stays, as in the reference's in-order stores."""
     w = workloads.make(77, num_slots=4000, page_size=16, num_reqs=1, max_len=2, mode=abi.HashMode.PARTIAL)
     rng = np.random.default_rng(3)
