@@ -15,7 +15,6 @@
 #ifndef KVC_VERIFY_MIN_BLOCKS
 #define KVC_VERIFY_MIN_BLOCKS 4  // per SM: caps the narrow kernels at 64 registers (measured best on H200)
 #endif
-#define KVC_RM_MIN_BLOCKS 3      // per SM: 80 registers, so the request-major task needs no spills
 
 struct KvcRecord {
   long long token, position;

@@ -55,6 +55,7 @@ VERIFY_LANE_ENTRIES = 2      # entries per lane in a warp tile of the narrow ver
 RM_MIN_BATCH = 32            # kvc_fused_verify_rm (request-major tiles) for batches of 32..1024
 RM_MAX_BATCH = 1024          # requests: its shared-memory staging holds this many
 RM_CHUNKS = 4                # VERIFY_LANE_ENTRIES-position chunks of a request per request-major task
+RM_MIN_BLOCKS = 3            # its blocks per SM (80 registers: no spills); ops launches one wave
 NO_EXPECTED_TOKEN = -1
 CHAIN_HEAD = -1
 
@@ -342,7 +343,7 @@ def constants() -> dict[str, int]:
         "KVC_REAL_KV_ALIGN": REAL_KV_ALIGN, "KVC_ECHO_BYTES": ECHO_BYTES,
         "KVC_BLOCK_THREADS": BLOCK_THREADS, "KVC_PREPARE_THREADS": PREPARE_THREADS,
         "KVC_WIDE_VERIFY_THREADS": WIDE_VERIFY_THREADS, "KVC_VERIFY_LANE_ENTRIES": VERIFY_LANE_ENTRIES,
-        "KVC_RM_MAX_BATCH": RM_MAX_BATCH, "KVC_RM_CHUNKS": RM_CHUNKS,
+        "KVC_RM_MAX_BATCH": RM_MAX_BATCH, "KVC_RM_CHUNKS": RM_CHUNKS, "KVC_RM_MIN_BLOCKS": RM_MIN_BLOCKS,
     }
     for name in ("KERNEL_KIND", "SLOT_IDX", "POSITION", "STORED_TOKEN", "EXPECTED_TOKEN",
                  "STORED_CHAIN_HASH", "EXPECTED_AUX", "FAIL_REASON_BITS"):

@@ -68,11 +68,14 @@ def _verify_kernel(name: str, rt, p, capacity: int, hash_bytes: tuple[int, ...])
     wide = any(h >= WIDE_HASH_BYTES for h in hash_bytes)
     block = _WIDE_BLOCK if wide else BLOCK
     per_block = (31 if wide else _VERIFY_TILE) * (block // 32)
+    most = rt.sm_count * 16 * BLOCK // block
     if wide:
         name = f"{name}_wide"
     elif name == "kvc_fused_verify" and abi.RM_MIN_BATCH <= p.batch_size <= abi.RM_MAX_BATCH:
+        # one resident wave: each block stages the batch once, its warps take tasks grid-stride
         name, per_block = "kvc_fused_verify_rm", 32 * abi.RM_CHUNKS * abi.VERIFY_LANE_ENTRIES * (block // 32)
-    grid = max(1, min(rt.sm_count * 16 * BLOCK // block, -(-capacity // per_block)))
+        most = rt.sm_count * abi.RM_MIN_BLOCKS
+    grid = max(1, min(most, -(-capacity // per_block)))
     return name, grid, block
 
 

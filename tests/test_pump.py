@@ -251,5 +251,7 @@ def test_fused_verify_tiling_follows_the_batch_size(batch_size, wide, kernel):
     name, grid, block = ops._verify_kernel("kvc_fused_verify", rt, p, 1 << 20, hash_bytes)
     assert name == kernel and block == (128 if wide else 256)
     assert 1 <= grid * block <= 132 * 16 * 256  # at most 16 blocks of 256 threads per SM
+    if kernel.endswith("_rm"):
+        assert grid <= 132 * abi.RM_MIN_BLOCKS  # one resident wave
     want = "kvc_verify_wide" if wide else "kvc_verify"
     assert ops._verify_kernel("kvc_verify", rt, p, 1 << 20, hash_bytes)[0] == want
