@@ -218,3 +218,49 @@ def test_request_major_verify_at_its_batch_edges(bs, swa):
                             bs=bs, lengths=(0, 1, 2, 3, 7, 8, 9, 15, 17, 40, 130, 260))
     test_tiled_verify_kernels_equal_reference_on_stamped_state(None, abi.HashMode.PARTIAL, 32, [(16, 64, 64)],
                                                                swa, engine=engine)
+
+
+def test_fused_verify_on_the_benchmark_shape():
+    """Decode bs 256 x 4096 (1M entries) with a decoding allocator's slots (slot(r, p) = 1 + p * bs
+    + r, perf/workloads.py's default), PARTIAL, a few flipped record bits and one KV byte: the
+    fused verify (request-major here) reports exactly what the reference does."""
+    bs, n = 256, 4096
+    rng = np.random.default_rng(5)
+    num_slots = bs * n + 1
+    slots = (1 + np.arange(n)[None, :] * bs + np.arange(bs)[:, None]).astype(np.int32)
+    rtt = np.zeros((bs + 1, n + 1), np.int32)
+    rtt[1:, :n] = slots
+    rpi = np.arange(1, bs + 1, dtype=np.int64)
+    pool = rng.integers(0, 256, (num_slots, 64), dtype=np.uint8)
+    canary = np.zeros((num_slots, 32), np.uint8)
+    stamp_ctx = kc.VerifyContext(kc.CanaryBuffer(canary), kc.ViolationSink.allocate(16), abi.LaunchTag.TAIL_K_FULL,
+                                 [kc.RealKvSource(pool, 1, 64, 64)], abi.HashMode.PARTIAL)
+    stamp = kc.Batch(req_pool_indices=rpi, prefix_lens=np.zeros(bs, np.int64), extend_lens=np.full(bs, n, np.int64),
+                     req_to_token=rtt, input_ids=rng.integers(0, 1 << 40, bs * n).astype(np.int64),
+                     positions=np.tile(np.arange(n), bs).astype(np.int64),
+                     out_cache_loc=slots.reshape(-1).astype(np.int64))
+    plan = kc.StepPlan.allocate(bs, 1)
+    kc.build_plan(stamp, plan)
+    kc.write(stamp_ctx, plan, stamp.input_ids, stamp.positions, stamp.out_cache_loc)
+    for s in rng.choice(np.arange(1, num_slots), 5, replace=False):
+        canary[s, int(rng.integers(0, 32))] ^= 4
+    pool[int(rng.integers(1, num_slots)), 3] ^= 1
+    batch = dict(req_pool_indices=rpi, prefix_lens=np.full(bs, n, np.int64), extend_lens=np.ones(bs, np.int64),
+                 req_to_token=rtt)
+
+    def run(dev):
+        put = memory.to_device if dev else np.copy
+        sink = kc.ViolationSink.allocate(1 << 12, device=0 if dev else None)
+        ctx = kc.VerifyContext(kc.CanaryBuffer(put(canary)), sink, abi.LaunchTag.HEAD_K_FULL,
+                               [kc.RealKvSource(put(pool), 1, 64, 16)], abi.HashMode.PARTIAL)
+        plan = kc.StepPlan.allocate(bs, 1 << 21, device=0 if dev else None)
+        b = on(dev, batch)
+        kc.build_plan(b, plan)
+        (kc.fused_verify if dev else lambda c, b, p: kc.verify(c, p))(ctx, b, plan)
+        arrays = [a if isinstance(a, np.ndarray) else a.numpy() for a in sink.arrays]
+        wi = int(arrays[1][0])
+        return sorted(map(tuple, arrays[0][:wi].tolist())), wi, int(arrays[2][0]), int(arrays[3][0])
+
+    want = run(False)
+    assert 6 <= want[1] <= 12 and want[3] == bs * n
+    assert run(True) == want
