@@ -1,6 +1,6 @@
 """Turn a ``pytest perf/ --benchmark-json=FILE`` result into perf/RESULTS.md and PNG plots.
 
-    python perf/report.py perf/results.json [--out perf/RESULTS.md] [--plots perf/plots]
+    python perf/report.py perf/results.json [--out perf/RESULTS.md] [--plots perf/plots] [--before OLD.json]
 
 The table has one line per row the benchmarks reported (``extra_info["rows"]``): benchmark,
 measured, bound (and what it is), ratio, target, pass/fail. With matplotlib installed it also
@@ -48,17 +48,27 @@ def load_rows(data: dict) -> list[dict]:
     return rows
 
 
-def table(rows: list[dict]) -> list[str]:
-    lines = ["| benchmark | measured | bound | ratio | target | result |",
-             "|---|---:|---|---:|---|---|"]
+def ratio_text(r: dict | None) -> str:
+    return "-" if r is None or r.get("ratio") is None else f"{r['ratio']:.3g}x"
+
+
+def table(rows: list[dict], before: dict[str, dict] | None = None) -> list[str]:
+    """The results table; with ``before`` (rows of an earlier run by name) a column with the
+    earlier run's measurement and ratio of the same row."""
+    extra = before is not None
+    lines = ["| benchmark | measured | bound | ratio | target | result |" + (" before |" if extra else ""),
+             "|---|---:|---|---:|---|---|" + ("---:|" if extra else "")]
     for r in rows:
-        ratio = "-" if r.get("ratio") is None else f"{r['ratio']:.3g}x"
         bound = fmt(r.get("bound"), r.get("unit", "s"))
         if r.get("bound_name"):
             bound = f"{bound} ({r['bound_name']})" if r.get("bound") is not None else r["bound_name"]
         verdict = {True: "pass", False: "**FAIL**", None: ""}[r.get("ok")]
-        lines.append(f"| {r['name']} | {fmt(r.get('measured'), r.get('unit', 's'))} | {bound} | "
-                     f"{ratio} | {r.get('target') or '-'} | {verdict} |")
+        line = (f"| {r['name']} | {fmt(r.get('measured'), r.get('unit', 's'))} | {bound} | "
+                f"{ratio_text(r)} | {r.get('target') or '-'} | {verdict} |")
+        if extra:
+            old = before.get(r["name"])
+            line += " - |" if old is None else f" {fmt(old.get('measured'), old.get('unit', 's'))} ({ratio_text(old)}) |"
+        lines.append(line)
     return lines
 
 
@@ -128,10 +138,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("json", type=Path, help="pytest-benchmark JSON (--benchmark-json)")
     ap.add_argument("--out", type=Path, default=HERE / "RESULTS.md")
     ap.add_argument("--plots", type=Path, default=HERE / "plots")
+    ap.add_argument("--before", type=Path, help="an earlier run's JSON: adds its measurement of each row")
     args = ap.parse_args(argv)
     data = json.loads(args.json.read_text())
     rows = load_rows(data)
-    lines = header(data, rows) + table(rows)
+    before = None
+    if args.before is not None:
+        old = json.loads(args.before.read_text())
+        before = {r["name"]: r for r in load_rows(old)}
+    lines = header(data, rows) + table(rows, before)
+    if before is not None:
+        lines[lines.index("| benchmark | measured | bound | ratio | target | result | before |"):0] = [
+            f"\"before\": the same row in {args.before.name} ({old.get('datetime', '?')}, commit "
+            f"{(old.get('commit_info') or {}).get('id', '?')[:12]}).", ""]
     images = plots(rows, args.plots)
     if images:
         lines += ["", *(f"![{p.stem}]({p.relative_to(args.out.parent) if p.is_relative_to(args.out.parent) else p})"
