@@ -1,0 +1,97 @@
+"""Issue 6: the request-major verify's launch shape, swept in one run (GPU; no targets).
+
+``kvc_fused_verify_rm`` has two tuning constants in kvcanary/abi.py: ``RM_CHUNKS`` (a task spans
+RM_CHUNKS x VERIFY_LANE_ENTRIES positions of 32 requests) and ``RM_MIN_BLOCKS`` (its launch
+bound: registers per thread, hence blocks per SM). Each combination is compiled here with NVRTC
+into a library of its own (verify.cu only; the prelude rendered with the swept values) and
+launched with the params ops packed for the shipped kernel: the constants change no params
+struct. Rows: decode bs 256 x 4096, identity-only and PARTIAL, each combination's time against
+the bytes it must touch / copy bandwidth, the shipped combination marked. Every run must find the
+workload clean, which also checks each variant's hashing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import pytest
+from cuda.bindings import driver as cu
+
+import kvcanary as kc
+from kvcanary import abi, ops
+from kvcanary.compile import compile_cubin, read_sources
+from kvcanary.driver import check
+
+from .workloads import DECODE_256
+
+CHUNKS = (1, 2, 4, 8)
+MIN_BLOCKS = (2, 3, 4)
+
+
+@contextlib.contextmanager
+def constants(**values):
+    old = {k: getattr(abi, k) for k in values}
+    for k, v in values.items():
+        setattr(abi, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(abi, k, v)
+
+
+@functools.lru_cache(maxsize=None)
+def variant_cubin(arch: int, chunks: int, min_blocks: int) -> bytes:
+    """verify.cu compiled with the swept constants (once per session)."""
+    sources = {n: s for n, s in read_sources().items() if n in ("verify.cu", "common.cuh", "fingerprint.cuh")}
+    with constants(RM_CHUNKS=chunks, RM_MIN_BLOCKS=min_blocks):
+        return compile_cubin(sources, abi.render_prelude(), arch)
+
+
+def variant(rt, chunks: int, min_blocks: int):
+    """(library, kvc_fused_verify_rm function) of one swept combination, loaded on ``rt``."""
+    cubin = variant_cubin(rt.arch, chunks, min_blocks)
+    lib = check(rt.call(cu.cuLibraryLoadData, cubin, None, None, 0, None, None, 0), "cuLibraryLoadData(tuning)")
+    kernel = check(cu.cuLibraryGetKernel(lib, b"kvc_fused_verify_rm"), "cuLibraryGetKernel")
+    return lib, check(rt.call(cu.cuKernelGetFunction, kernel), "cuKernelGetFunction")
+
+
+@pytest.mark.parametrize("mode", ["identity", "partial"])
+def test_request_major_launch_shape(report, workloads, timer, bounds, mode):
+    w = workloads.get(*DECODE_256)
+    ctx = w.context(mode)
+    plan = w.plan()
+    kc.build_plan(w.batch, plan, stream=timer.handle)
+    launch = ops.prepare_fused_verify(ctx, w.batch, plan)
+    assert launch.name == "kvc_fused_verify_rm"
+    rt = launch.rt
+    bound = w.verify_bytes(mode) / bounds.copy_bandwidth
+    runs = {}
+    for chunks in CHUNKS:
+        for min_blocks in MIN_BLOCKS:
+            lib, fn = variant(rt, chunks, min_blocks)
+            per_block = 32 * chunks * abi.VERIFY_LANE_ENTRIES * (abi.BLOCK_THREADS // 32)
+            grid = max(1, min(rt.sm_count * min_blocks, -(-plan.verify_capacity // per_block)))
+
+            def run(s, fn=fn, grid=grid):
+                check(cu.cuLaunchKernel(fn, grid, 1, 1, abi.BLOCK_THREADS, 1, 1, 0, s, launch.address, 0),
+                      "cuLaunchKernel(tuning)")
+            runs[chunks, min_blocks] = (lib, run, grid)
+
+    def measure():
+        out = {}
+        for key, (_, run, _) in runs.items():
+            out[key] = timer.gpu_time(run)
+            assert w.violations() == 0, f"chunks, blocks/SM {key}: the workload must verify clean"
+        return out
+
+    times = report.measure(measure)
+    for (chunks, min_blocks), t in times.items():
+        shipped = (chunks, min_blocks) == (abi.RM_CHUNKS, abi.RM_MIN_BLOCKS)
+        report.row(f"tuning: verify fused_rm {mode}, {w.label}, chunks {chunks}, {min_blocks} blocks/SM"
+                   + (" (shipped)" if shipped else ""), t, "s", bound=bound,
+                   bound_name="bytes it must touch / copy bw", chunks=chunks, min_blocks=min_blocks,
+                   grid=runs[chunks, min_blocks][2])
+    for lib, _, _ in runs.values():
+        check(cu.cuLibraryUnload(lib), "cuLibraryUnload")
