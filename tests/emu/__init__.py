@@ -81,7 +81,9 @@ def library_path() -> Path:
                "-o", str(out)]
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if done.returncode:
-            raise RuntimeError(f"building the kernel emulator failed:\n{' '.join(cmd)}\n{done.stderr[-4000:]}")
+            raise RuntimeError(f"kv-canary: the host compiler rejected kernels_src/ for the CPU emulator "
+                               f"(expected a clean build, as NVRTC's). Fix: make the kernel source portable "
+                               f"C++ or extend tests/emu/cuda_emu.h.\n{' '.join(cmd)}\n{done.stderr[-4000:]}")
         os.replace(out, lib)  # atomic: a concurrent build finds a whole library or none
     return lib
 
