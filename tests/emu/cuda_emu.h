@@ -118,6 +118,23 @@ inline void finish() {  // a thread returned from the kernel: it leaves its barr
   if (--block->live > 0 && block->arrived >= block->live) { block->arrived = 0; ++block->gen; }
 }
 
+// The order threads resume in changes every round (a seeded walk: start and stride coprime to
+// the block size), so that between two barriers a reader runs before its writer in some rounds
+// and after it in others: a missing __syncthreads or __syncwarp shows up as a wrong result.
+inline unsigned long long order_state = 0x9E3779B97F4A7C15ull;
+inline unsigned next_order(unsigned n) {
+  order_state = order_state * 6364136223846793005ull + 1442695040888963407ull;
+  return (unsigned)(order_state >> 33) % n;
+}
+inline unsigned order_step(unsigned n) {
+  for (;;) {
+    const unsigned s = 1 + next_order(n);
+    unsigned a = s, b = n;
+    while (b) { const unsigned r = a % b; a = b; b = r; }
+    if (a == 1) return s % n == 0 ? 1 : s;
+  }
+}
+
 inline void entry() {
   (*body)();
   finish();
@@ -144,9 +161,10 @@ inline void launch(unsigned grid, unsigned threads, const std::function<void()>&
       f.ctx.uc_link = &blk.scheduler;
       makecontext(&f.ctx, entry, 0);
     }
-    for (bool any = true; any;) {
+    for (bool any = true; any;) {  // rounds until every thread has returned
       any = false;
-      for (unsigned t = 0; t < threads; ++t) {
+      const unsigned start = next_order(threads), step = order_step(threads);
+      for (unsigned i = 0, t = start; i < threads; ++i, t = (t + step) % threads) {
         if (blk.fibers[t].done) continue;
         any = true;
         blk.current = (int)t;
