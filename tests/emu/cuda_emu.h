@@ -2,9 +2,10 @@
 // with a host C++ compiler (tests only; never shipped). A launch runs its blocks one after
 // another; the threads of a block are cooperative fibers (ucontext) in one OS thread, switched
 // only where CUDA threads synchronise: __syncthreads and the warp collectives (shuffles, votes,
-// reductions, __syncwarp). Sequential blocks, and lanes that run until they must wait for
-// their warp, are one valid CUDA schedule, so a kernel that is correct on a GPU computes the
-// same here -- and a kernel that depends on an ordering CUDA does not promise can differ.
+// reductions, __syncwarp), resumed in a new order each round. Sequential blocks, and lanes that
+// run until they must wait for their warp, are valid CUDA schedules, so a kernel that is correct
+// on a GPU computes the same here -- and a kernel that depends on an ordering CUDA does not
+// promise can differ.
 #pragma once
 #define KVC_EMULATED 1
 
