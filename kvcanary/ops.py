@@ -60,6 +60,12 @@ def _grid(rt, work_items: int, per_block: int = BLOCK) -> int:
     return max(1, min(rt.sm_count * (2048 // BLOCK), -(-work_items // per_block)))
 
 
+def request_major(batch_size: int, hash_bytes: tuple[int, ...]) -> bool:
+    """Whether a fused verify of ``batch_size`` requests whose sources fingerprint ``hash_bytes``
+    each runs request-major tasks (kvc_fused_verify_rm)."""
+    return abi.RM_MIN_BATCH <= batch_size <= abi.RM_MAX_BATCH and all(h < WIDE_HASH_BYTES for h in hash_bytes)
+
+
 def _verify_kernel(name: str, rt, p, capacity: int, hash_bytes: tuple[int, ...]) -> tuple[str, int, int]:
     """(kernel, grid, block) of a verify launch: the warp-cooperative variant when a source
     fingerprints long strips; else, for a fused verify of 32..1024 requests, request-major
@@ -71,7 +77,7 @@ def _verify_kernel(name: str, rt, p, capacity: int, hash_bytes: tuple[int, ...])
     most = rt.sm_count * 16 * BLOCK // block
     if wide:
         name = f"{name}_wide"
-    elif name == "kvc_fused_verify" and abi.RM_MIN_BATCH <= p.batch_size <= abi.RM_MAX_BATCH:
+    elif name == "kvc_fused_verify" and request_major(p.batch_size, hash_bytes):
         # one resident wave: each block stages the batch once, its warps take tasks grid-stride
         name, per_block = "kvc_fused_verify_rm", 32 * abi.RM_CHUNKS * abi.VERIFY_LANE_ENTRIES * (block // 32)
         most = rt.sm_count * abi.RM_MIN_BLOCKS

@@ -25,7 +25,7 @@ from cuda.bindings import driver as cu
 from kvcanary import abi, memory
 from kvcanary.compile import compile_cubin, kernels_dir
 from kvcanary.driver import check
-from kvcanary.ops import WIDE_HASH_BYTES
+from kvcanary.ops import request_major
 
 from .timing import GpuTimer, pack_args
 
@@ -101,7 +101,6 @@ class Probes:
                     i64(rtt_stride), i64(per_req), p(src), i64(src_row_stride), i64(page_size),
                     i64(bytes_per_token), i64(hash_bytes), ctypes.c_int32(int(coop)), i64(n), u64(KEY),
                     u64(self.out.ptr))
-
 
     def verify_loads_rm(self, stream: int, *, canary, rpi, rtt, bs: int, per_req: int, span: int, src=None,
                         src_row_stride: int = 0, page_size: int = 1, bytes_per_token: int = 16,
@@ -188,7 +187,7 @@ class Bounds:
                 s, canary=ctx.buffer.array, n=w.entries, plan=plan, rpi=w.rpi, rtt=w.rtt,
                 per_req=w.prefix, coop=coop, **kv)
             times["coalesced" if coop else "per_lane"] = self.timer.gpu_time(run)
-        if plan is None and hb < WIDE_HASH_BYTES and abi.RM_MIN_BATCH <= w.bs <= abi.RM_MAX_BATCH:
+        if plan is None and request_major(w.bs, ctx.hash_bytes):
             span = abi.RM_CHUNKS * abi.VERIFY_LANE_ENTRIES
             times["request_major"] = self.timer.gpu_time(lambda s: self.probes.verify_loads_rm(
                 s, canary=ctx.buffer.array, rpi=w.rpi, rtt=w.rtt, bs=w.bs, per_req=w.prefix, span=span, **kv))

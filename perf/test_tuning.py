@@ -71,8 +71,9 @@ def test_request_major_launch_shape(report, workloads, timer, bounds, mode):
     for chunks in CHUNKS:
         for min_blocks in MIN_BLOCKS:
             lib, fn = variant(rt, chunks, min_blocks)
-            per_block = 32 * chunks * abi.VERIFY_LANE_ENTRIES * (abi.BLOCK_THREADS // 32)
-            grid = max(1, min(rt.sm_count * min_blocks, -(-plan.verify_capacity // per_block)))
+            with constants(RM_CHUNKS=chunks, RM_MIN_BLOCKS=min_blocks):  # the grid ops would give it
+                _, grid, _ = ops._verify_kernel("kvc_fused_verify", rt, launch.params, plan.verify_capacity,
+                                                ctx.hash_bytes)
 
             def run(s, fn=fn, grid=grid):
                 check(cu.cuLaunchKernel(fn, grid, 1, 1, abi.BLOCK_THREADS, 1, 1, 0, s, launch.address, 0),

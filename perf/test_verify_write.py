@@ -27,13 +27,13 @@ PREFILL_TARGETS = {"identity": ("<=", 1.3), "all": ("<=", 1.5)}
 def entry_major(ctx, w, plan):
     """fn(stream) running a fused verify that ops sends to the request-major kernel on the
     entry-major one instead (same packed params), or None when ops picks entry-major anyway."""
-    from kvcanary import abi, ops
+    from kvcanary import ops
     launch = ops.prepare_fused_verify(ctx, w.batch, plan)
     if launch.name != "kvc_fused_verify_rm":
         return None
-    per_block = (32 * abi.VERIFY_LANE_ENTRIES - 1) * (abi.BLOCK_THREADS // 32)
-    grid = max(1, min(launch.rt.sm_count * 16, -(-plan.verify_capacity // per_block)))
-    return lambda s: launch.rt.launch("kvc_fused_verify", grid, abi.BLOCK_THREADS, launch.address, s)
+    # the entry-major tiles' launch shape, as ops gives it to every non-request-major narrow verify
+    _, grid, block = ops._verify_kernel("kvc_verify", launch.rt, launch.params, plan.verify_capacity, ctx.hash_bytes)
+    return lambda s: launch.rt.launch("kvc_fused_verify", grid, block, launch.address, s)
 
 
 @pytest.mark.parametrize("design,layout", [("fused", "decode"), ("plan", "decode"),
