@@ -302,7 +302,7 @@ class KvCanary:
             readout = decode_ring(rows, stop - self._seen_rows)
             self._seen_rows = stop
             self.reporter.violations(readout.violations, step, max(0, wi - self.ring_capacity))
-        if self.stats_every or self.reporter.export._file or self.reporter.export._callback:
+        if self.stats_every or self.reporter.wants_stats:
             emit = bool(self.stats_every) and step % self.stats_every == 0
             self.reporter.stats(self.stats(self._runs(snap), wi, step), emit)
 
@@ -319,6 +319,13 @@ class KvCanary:
                 "verified_slots": int(runs[self._verifies, 1].sum()),
                 "violations": self.reporter.reported if wi is None else int(wi),
                 "skipped_verifies": self._skipped}
+
+    def add_listener(self, callback) -> None:
+        """Call ``callback(record)`` with every record the export target gets: one dict per
+        violation (``type="violation"``, the fields of SPEC §10 plus ``step``) and one per
+        reported step (``type="stats"``, the keys of :meth:`stats`). Metrics exporters and the
+        tensor-parallel aggregator subscribe here; no listener costs nothing."""
+        self.reporter.listeners.append(callback)
 
     def health_check(self) -> None:
         """Raise if a launch that should have run has not advanced its kernel_run_counter (as of

@@ -47,13 +47,24 @@ class Reporter:
         if mode not in MODES:
             raise ValidationError(f"kv-canary: mode must be one of {MODES}, got {mode!r}")
         self.mode, self.export = mode, Exporter(export)
+        self.listeners: list[Callable[[dict], None]] = []
         self.reported = 0
+
+    @property
+    def wants_stats(self) -> bool:
+        """Whether per-step stats records have a consumer (an export target or a listener)."""
+        return bool(self.listeners) or self.export._file is not None or self.export._callback is not None
+
+    def _emit(self, record: dict) -> None:
+        self.export(record)
+        for listener in self.listeners:
+            listener(record)
 
     def violations(self, rows: list[Violation], step: int, overflow: int) -> None:
         if not rows and not overflow:
             return
         for v in rows:
-            self.export(v.to_dict(type="violation", step=step, ring_overflow=overflow))
+            self._emit(v.to_dict(type="violation", step=step, ring_overflow=overflow))
         self.reported += len(rows)
         if self.mode == "raise":
             raise CanaryViolationError(rows, overflow)
@@ -63,6 +74,6 @@ class Reporter:
             log.warning("kv_canary ring full: %d violation(s) not recorded (ring overflow)", overflow)
 
     def stats(self, record: dict, emit_line: bool) -> None:
-        self.export({"type": "stats", **record})
+        self._emit({"type": "stats", **record})
         if emit_line:
             log.info("kv_canary stats: " + " ".join(f"{k}={v}" for k, v in record.items()))
