@@ -96,7 +96,7 @@ __device__ __forceinline__ unsigned kvc_write_store(const KvcWriteParams& p, con
       if (bits) kvc_record(p, slot, position, token, et, chain, (uint64_t)ep, bits);
     }
     if (pos_assert && position != ch.position[j] + 1)
-      kvc_record(p, slot, position, token, KVC_NO_EXPECTED_TOKEN, chain, (uint64_t)(ch.position[j] + 1),
+      kvc_record(p, slot, position, token, token, chain, (uint64_t)(ch.position[j] + 1),  // SGLang's column 4
                  KVC_WRITE_POSITION_MISMATCH);
     ++stamped;
     bool repeated = false;  // a slot repeated in one chunk: only its last occurrence stores

@@ -269,7 +269,7 @@ def write(*, canary, offsets, seed, num_valid_reqs, input_ids, positions, out_ca
     m = np.flatnonzero(assert_on[st_req] & (pos[st] != prev_pos + 1))
     e = st[m]
     ones = np.ones(len(e), dtype=np.int64)
-    rows.append(_rows(tag, s[e], pos[e], tok[e], -ones, running[e], prev_pos[m] + 1, ones * _W_POSITION))
+    rows.append(_rows(tag, s[e], pos[e], tok[e], tok[e], running[e], prev_pos[m] + 1, ones * _W_POSITION))
     keys.append((req[e], e, ones * 2))
     order = np.lexsort(tuple(np.concatenate(c) for c in zip(*keys))[::-1])
     ring_append(ring, write_index, np.concatenate(rows)[order])

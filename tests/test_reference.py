@@ -452,14 +452,15 @@ def test_chain_position_assert():
     ctx.write([(-1, [1], [5], [9])])
     hs = mix3(ANCHOR_H, 5, 9)
     ctx.write([(1, [2, 3, 4], [6, 7, 8], [10, 12, 13])], assert_flag=1)
-    assert ctx.rows() == [(TAIL, 3, 12, 7, -1, to_i64(mix3(hs, 6, 10)), 11, W_POSITION)]
+    # SPEC §7: the chain-position row stores the actual token in EXPECTED_TOKEN (as SGLang does)
+    assert ctx.rows() == [(TAIL, 3, 12, 7, 7, to_i64(mix3(hs, 6, 10)), 11, W_POSITION)]
     ctx.write([(1, [5, 6], [6, 7], [10, 12])], assert_flag=0)
     ctx.write([(1, [5, 6], [6, 7], [10, 12])])
     ctx.write([(-1, [5, 6], [6, 7], [10, 12])], assert_flag=1)  # a chain head has no assert
     assert len(ctx.rows()) == 1
     ctx.write([(1, [7], [1], [3])], assert_flag=1, expected=([2], [3]))
     assert ctx.rows()[1:] == [(TAIL, 7, 3, 1, 2, to_i64(hs), 3, W_TOKEN),
-                              (TAIL, 7, 3, 1, -1, to_i64(hs), 10, W_POSITION)]
+                              (TAIL, 7, 3, 1, 1, to_i64(hs), 10, W_POSITION)]
 
 
 # ---- out-of-range slots (kvcanary SLOT_OUT_OF_RANGE) -------------------------------------------
