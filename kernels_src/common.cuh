@@ -1,6 +1,8 @@
-// Shared device code: hashing (SPEC §3), the real-KV fingerprint, ring records (SPEC §5) and the
-// engine-batch helpers of the plan builder (SPEC §8). Every constant comes from kvcanary_abi.cuh,
-// generated from kvcanary/abi.py. Device code never raises and never synchronises with the host.
+// Shared device code: hashing (docs/format.md §3), ring records (§5) and the engine-batch reads of
+// the plan builder and the fused verify (§8). Every constant comes from kvcanary_abi.cuh, generated
+// from kvcanary/abi.py. Device code never raises and never synchronises with the host, and every
+// index it reads from device memory is checked against sizes known at launch before it addresses
+// memory: an index out of range becomes a ring row (or a counted skip), never an access.
 #pragma once
 #include "kvcanary_abi.cuh"
 
@@ -23,15 +25,7 @@ __device__ __forceinline__ long long kvc_clamp(long long v, long long lo, long l
   return v < lo ? lo : (v > hi ? hi : v);
 }
 
-// Hint: bring the 32-byte sector at `p` into L2 (no register, no wait). The CPU emulator of the
-// tests has no cache: a no-op there.
-__device__ __forceinline__ void kvc_prefetch_l2(const void* p) {
-#ifndef KVC_EMULATED
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-#endif
-}
-
-// Strip address of `slot` in source s (SPEC §4).
+// Strip address of `slot` (0 <= slot < num_slots, which the sources cover) in source s (§4).
 __device__ __forceinline__ const ulonglong2* kvc_strip(const KvcSourceDesc& s, long long slot) {
   const long long row = s.page_size == 1 ? slot : slot / s.page_size, col = slot - row * s.page_size;
   return reinterpret_cast<const ulonglong2*>(s.base + row * s.row_stride + col * (long long)s.bytes_per_token);
@@ -41,7 +35,7 @@ __device__ __forceinline__ const ulonglong2* kvc_strip(const KvcSourceDesc& s, l
 // eight loads (128 bytes) in flight before the first fold.
 __device__ __forceinline__ uint64_t kvc_fold_strip(const KvcSourceDesc& s, long long slot) {
   const ulonglong2* p = kvc_strip(s, slot);
-  const int n = s.hash_bytes >> 4;
+  const int n = s.hash_bytes / KVC_STRIP_PIECE_BYTES;
   uint64_t h = 0;
   int i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -75,7 +69,7 @@ __device__ __forceinline__ const long long* kvc_slot(const P& p, long long slot)
   return p.canary + slot * p.slot_stride_words;
 }
 
-// slot_hash of SPEC §3: the chain value a successor of `slot` expects (slot >= 0, in range).
+// slot_hash of §3: the chain value a successor of `slot` expects (0 <= slot < num_slots).
 template <class P>
 __device__ __forceinline__ uint64_t kvc_slot_hash(const P& p, long long slot) {
   const long long* f = kvc_slot(p, slot);
@@ -83,14 +77,26 @@ __device__ __forceinline__ uint64_t kvc_slot_hash(const P& p, long long slot) {
                   (uint64_t)f[KVC_FIELD_POSITION]);
 }
 
-// Fill-once ring append (SPEC §5): rows past capacity are counted, never stored.
+// Ring append (§5). Format v1 (ring_claim == 0): i = atomicAdd(write_index, 1), the row is kept
+// iff i < capacity (fill once). With a 64-bit claim counter (the manager's status cell, whose low
+// int32 is the v1 write index): row i is kept at i % capacity iff i - consumed < capacity, where
+// the host advances `consumed` once it has taken the rows before it; with consumed = 0 that is
+// fill once again. Rows not kept are counted by the claim, never stored over unread rows.
 template <class P>
 __device__ __noinline__ void kvc_record(const P& p, long long slot, long long position,
                                         long long stored_token, long long expected_token,
                                         uint64_t stored_chain, uint64_t expected_aux, long long bits) {
-  const int i = atomicAdd(p.write_index, 1);
-  if (i >= 0 && i < p.ring_capacity) {
-    long long* row = p.ring + (long long)i * KVC_RING_COLS;
+  long long i, at = -1;
+  if (p.ring_claim != 0) {
+    i = (long long)atomicAdd(p.ring_claim, 1ULL);
+    const long long consumed = p.ring_consumed != 0 ? *p.ring_consumed : 0;
+    if (i - consumed >= 0 && i - consumed < p.ring_capacity) at = i % p.ring_capacity;
+  } else {
+    i = atomicAdd(p.write_index, 1);
+    if (i >= 0 && i < p.ring_capacity) at = i;
+  }
+  if (at >= 0) {
+    long long* row = p.ring + at * KVC_RING_COLS;
     row[KVC_COL_KERNEL_KIND] = p.tag;
     row[KVC_COL_SLOT_IDX] = slot;
     row[KVC_COL_POSITION] = position;
@@ -103,92 +109,86 @@ __device__ __noinline__ void kvc_record(const P& p, long long slot, long long po
   __threadfence_system();
 }
 
-// Verify one plan entry (SPEC §6 step 2-3).
+// A BATCH_INDEX_OUT_OF_RANGE row (abi.BatchField names the columns): slot -1 unless the value
+// names one, the request's index in the batch (-1 for the flat token arrays), the value read,
+// the field, the bound it broke.
 template <class P>
-__device__ __forceinline__ void kvc_verify_entry(const P& p, long long slot, long long expected_token,
-                                                 long long expected_position, long long prev_slot,
-                                                 bool check_expected_token) {
-  if (slot == KVC_PADDING_SLOT) return;
-  if (slot < 0 || slot >= p.num_slots) {
-    kvc_record(p, slot, expected_position, 0, KVC_NO_EXPECTED_TOKEN, 0, 0, KVC_SLOT_OUT_OF_RANGE);
-    return;
-  }
-  const long long* f = kvc_slot(p, slot);
-  const long long token = f[KVC_FIELD_TOKEN], position = f[KVC_FIELD_POSITION];
-  const uint64_t prev_hash = (uint64_t)f[KVC_FIELD_PREV_HASH], rkv = (uint64_t)f[KVC_FIELD_REAL_KV_HASH];
-  long long bits = 0;
-  uint64_t expected_chain = prev_hash;
-  if (prev_slot < 0) {
-    expected_chain = kvc_sm(KVC_ANCHOR);
-  } else if (prev_slot >= p.num_slots) {
-    expected_chain = 0;
-    bits |= KVC_VERIFY_CHAIN_HASH_MISMATCH | KVC_SLOT_OUT_OF_RANGE;
-  } else if (prev_slot != KVC_PADDING_SLOT) {
-    expected_chain = kvc_slot_hash(p, prev_slot);
-  }
-  if (prev_hash != expected_chain) bits |= KVC_VERIFY_CHAIN_HASH_MISMATCH;
-  if (position != expected_position) bits |= KVC_VERIFY_POSITION_MISMATCH;
-  if (rkv != kvc_fingerprint(p, slot)) bits |= KVC_VERIFY_REAL_KV_HASH_MISMATCH;
-  if (check_expected_token && expected_token != KVC_NO_EXPECTED_TOKEN && token != expected_token)
-    bits |= KVC_VERIFY_TOKEN_MISMATCH;
-  if (bits)
-    kvc_record(p, slot, position, token, check_expected_token ? expected_token : KVC_NO_EXPECTED_TOKEN,
-               prev_hash, expected_chain, bits);
+__device__ __forceinline__ void kvc_record_batch(const P& p, long long slot, long long request, long long field,
+                                                 long long value, long long bound) {
+  kvc_record(p, slot, request, value, field, 0, (uint64_t)bound, KVC_BATCH_INDEX_OUT_OF_RANGE);
 }
 
-// ---- the engine's batch (SPEC §8) ------------------------------------------------------------
+// Warp-aggregated add of per-lane counts (every lane of the warp must call it).
+__device__ __forceinline__ void kvc_warp_count(unsigned long long* counter, unsigned n) {
+  const unsigned total = __reduce_add_sync(KVC_FULL_MASK, n);
+  if (counter != 0 && total != 0 && (threadIdx.x & 31) == 0) atomicAdd(counter, (unsigned long long)total);
+}
+
+// ---- the engine's batch (§8) ------------------------------------------------------------------
+// Request r as read from the batch and checked against the launch's sizes. `field` != 0 names the
+// first value out of range (abi.BatchField); such a request has no entries and stamps nothing,
+// but a non-padding one still owns its extend_lens tokens, so later requests keep theirs.
 struct KvcRequest {
-  long long row;      // request-pool row; padding requests have no entries
+  long long row;      // request-pool row (valid only when ok)
   long long lo;       // first verified position
-  long long prefix;   // verified positions are [lo, prefix)
-  long long extend;   // tokens written this step
-  bool padding;
+  long long n;        // verified positions [lo, lo + n)
+  long long prefix;   // cached tokens
+  long long tokens;   // new tokens this request owns in the flat arrays
+  long long field, value, bound;  // the first out-of-range value (field 0: none)
+  bool ok;            // a real request whose values are all in range
 };
 
 template <class B>
 __device__ __forceinline__ KvcRequest kvc_request(const B& b, long long r) {
   KvcRequest q;
   q.row = b.req_pool_indices[r];
-  q.padding = q.row <= 0 || q.row >= b.rtt_rows;
-  q.prefix = q.padding ? 0 : kvc_clamp(b.prefix_lens[r], 0, b.rtt_max_len);
-  q.extend = q.padding ? 0 : (b.extend_lens[r] > 0 ? b.extend_lens[r] : 0);
-  q.lo = (b.swa_window > 0 && q.prefix > b.swa_window) ? q.prefix - b.swa_window : 0;
+  const long long prefix = b.prefix_lens[r], extend = b.extend_lens[r];
+  q.field = 0;
+  q.value = 0;
+  q.bound = 0;
+  if (q.row != 0 && (q.row < 0 || q.row >= b.rtt_rows)) {
+    q.field = KVC_BATCH_REQ_POOL_INDEX; q.value = q.row; q.bound = b.rtt_rows;
+  } else if (q.row != 0 && (prefix < 0 || prefix > b.rtt_max_len)) {
+    q.field = KVC_BATCH_PREFIX_LEN; q.value = prefix; q.bound = b.rtt_max_len;
+  } else if (q.row != 0 && extend < 0) {
+    q.field = KVC_BATCH_EXTEND_LEN; q.value = extend; q.bound = 0;
+  }
+  q.ok = q.row != 0 && q.field == 0;
+  q.prefix = q.ok ? prefix : 0;
+  q.tokens = (q.row != 0 && extend > 0) ? extend : 0;
+  q.lo = (q.ok && b.swa_window > 0 && prefix > b.swa_window) ? prefix - b.swa_window : 0;
+  q.n = q.prefix - q.lo;
   return q;
 }
 
+// The group's slot of a full-pool slot: itself, or its full->SWA map entry (KVC_SWA_UNMAPPED for
+// a full slot outside the map).
 template <class B>
 __device__ __forceinline__ long long kvc_map_slot(const B& b, long long full_slot) {
   if (b.swa_map == 0) return full_slot;
-  return (full_slot >= 0 && full_slot < b.swa_map_len) ? b.swa_map[full_slot] : -2;
+  return (full_slot >= 0 && full_slot < b.swa_map_len) ? b.swa_map[full_slot] : KVC_SWA_UNMAPPED;
 }
 
+// req_to_token[row, pos] of a request whose row and position were checked.
 template <class B>
 __device__ __forceinline__ long long kvc_rtt(const B& b, long long row, long long pos) {
   return (long long)b.req_to_token[row * b.rtt_row_stride + pos];
 }
 
-// Expected token of request r's entry at `pos` (SPEC §8), -1 when there is none.
+// Expected token of request r's entry at `pos` (§8), -1 when there is none. Rows are checked
+// (row < rtt_rows <= the pool's rows, which the host checks); `at` against the valid length.
 template <class B>
-__device__ __forceinline__ long long kvc_expected_token(const B& b, long long r, const KvcRequest& q,
-                                                        long long pos) {
+__device__ __forceinline__ long long kvc_expected_token(const B& b, long long r, long long row, long long pos) {
   if (b.expected_pool == 0) return KVC_NO_EXPECTED_TOKEN;
   const long long at = pos + b.expected_token_offset;
   long long valid = b.expected_valid_lens != 0 ? b.expected_valid_lens[r] : b.expected_pool_len;
   if (valid > b.expected_pool_len) valid = b.expected_pool_len;
-  return (at >= 0 && at < valid) ? b.expected_pool[q.row * b.expected_row_stride + at] : KVC_NO_EXPECTED_TOKEN;
+  return (at >= 0 && at < valid) ? b.expected_pool[row * b.expected_row_stride + at] : KVC_NO_EXPECTED_TOKEN;
 }
 
-// Slot, predecessor and expected token of request r's entry at `pos`.
-template <class B>
-__device__ __forceinline__ void kvc_entry(const B& b, long long r, const KvcRequest& q, long long pos,
-                                          long long* slot, long long* prev, long long* expected_token) {
-  *slot = kvc_map_slot(b, kvc_rtt(b, q.row, pos));
-  *prev = pos > 0 ? kvc_map_slot(b, kvc_rtt(b, q.row, pos - 1)) : KVC_CHAIN_HEAD;
-  *expected_token = kvc_expected_token(b, r, q, pos);
-}
-
-// Request owning flat entry e among requests [lo, hi): the last r with entry_offsets[r] <= e
-// (offsets are non-decreasing and entry_offsets[lo] <= e).
+// Request owning flat entry e among requests [lo, hi): the last r with entry_offsets[r] <= e, for
+// non-decreasing offsets. Offsets are device data: whatever they hold, the answer is in [lo, hi),
+// and the caller checks that e really lies in that request's range.
 template <class B>
 __device__ __forceinline__ long long kvc_owner_in(const B& b, long long e, long long lo, long long hi) {
   while (hi - lo > 1) {
@@ -201,4 +201,34 @@ __device__ __forceinline__ long long kvc_owner_in(const B& b, long long e, long 
 template <class B>
 __device__ __forceinline__ long long kvc_owner(const B& b, long long e) {
   return kvc_owner_in(b, e, 0, b.batch_size);
+}
+
+// One verify entry as a materialised plan stores it (§8) and the checks of §6 read it: `live` is
+// false for an entry the launch must not verify (past the plan, or not an entry of its request in
+// the batch this launch was given).
+struct KvcEntry {
+  long long slot, prev, expected_token, position;
+  bool live;
+};
+
+// Entry e (owned by request r per the plan's entry offsets) derived from the batch: what
+// kvc_expand stores and the fused verify checks. A required predecessor (inside the verified
+// range) on the padding slot becomes KVC_PREV_ON_PADDING; a map value that collides with that
+// marker becomes KVC_SWA_UNMAPPED (out of range). Nothing is read for an entry that is not live.
+template <class B>
+__device__ __forceinline__ KvcEntry kvc_fused_entry(const B& b, long long e, long long r) {
+  const KvcRequest q = kvc_request(b, r);
+  const long long k = e - b.entry_offsets[r];
+  KvcEntry x;
+  x.live = q.ok && k >= 0 && k < q.n;
+  x.position = q.lo + (x.live ? k : 0);
+  x.slot = x.live ? kvc_map_slot(b, kvc_rtt(b, q.row, x.position)) : KVC_SWA_UNMAPPED;
+  x.prev = KVC_CHAIN_HEAD;
+  if (x.live && x.position > 0) {
+    x.prev = kvc_map_slot(b, kvc_rtt(b, q.row, x.position - 1));
+    if (x.prev == KVC_PREV_ON_PADDING) x.prev = KVC_SWA_UNMAPPED;
+    if (k > 0 && x.prev == KVC_PADDING_SLOT) x.prev = KVC_PREV_ON_PADDING;
+  }
+  x.expected_token = x.live ? kvc_expected_token(b, r, q.row, x.position) : KVC_NO_EXPECTED_TOKEN;
+  return x;
 }

@@ -35,19 +35,32 @@ template <int N>
 __device__ __forceinline__ void kvc_copy_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 #endif
 
-// Fingerprint of `slot`, one 16-byte load at a time: few registers, for short strips.
+// Fingerprint of `slot` with few registers, for short strips (< KVC_WIDE_HASH_BYTES): the first
+// 16-byte piece of up to KVC_NARROW_SOURCES sources is loaded before any is folded, so a slot
+// fingerprinted over many layers waits for memory once per group of sources, not once per source.
+#define KVC_NARROW_SOURCES 8
 template <class P>
 __device__ __forceinline__ uint64_t kvc_fingerprint_narrow(const P& p, long long slot) {
   uint64_t total = 0;
-  for (int i = 0; i < p.num_sources; ++i) {
-    const ulonglong2* q = kvc_strip(p.sources[i], slot);
-    uint64_t h = 0;
-    for (int k = 0; k < (p.sources[i].hash_bytes >> 4); ++k) {
-      const ulonglong2 w = __ldg(q + k);
-      h = kvc_sm(h ^ w.x);
-      h = kvc_sm(h ^ w.y);
+  for (int i0 = 0; i0 < p.num_sources; i0 += KVC_NARROW_SOURCES) {
+    ulonglong2 first[KVC_NARROW_SOURCES];
+#pragma unroll
+    for (int k = 0; k < KVC_NARROW_SOURCES; ++k)
+      first[k] = i0 + k < p.num_sources ? __ldg(kvc_strip(p.sources[i0 + k], slot)) : ulonglong2{0, 0};
+#pragma unroll
+    for (int k = 0; k < KVC_NARROW_SOURCES; ++k) {
+      if (i0 + k < p.num_sources) {
+        const KvcSourceDesc& s = p.sources[i0 + k];
+        uint64_t h = kvc_sm(kvc_sm(first[k].x) ^ first[k].y);  // h = 0 folded with the first piece
+        const ulonglong2* q = kvc_strip(s, slot);
+        for (int j = 1; j < s.hash_bytes / KVC_STRIP_PIECE_BYTES; ++j) {
+          const ulonglong2 w = __ldg(q + j);
+          h = kvc_sm(h ^ w.x);
+          h = kvc_sm(h ^ w.y);
+        }
+        total = kvc_sm(total ^ h);
+      }
     }
-    total = kvc_sm(total ^ h);
   }
   return total;
 }
@@ -68,7 +81,7 @@ __device__ __forceinline__ uint64_t kvc_fingerprint_warp(const P& p, long long s
 #pragma unroll
     for (int k = 0; k < KVC_WIDE_LOADS; ++k)
       src[k] = reinterpret_cast<const ulonglong2*>(__shfl_sync(KVC_FULL_MASK, mine, k * KVC_WIDE_STRIPS_PER_LOAD + grp));
-    const int n = s.hash_bytes >> 4;
+    const int n = s.hash_bytes / KVC_STRIP_PIECE_BYTES;
     const int rounds = (n + KVC_WIDE_PIECES - 1) / KVC_WIDE_PIECES;
     auto issue = [&](int c) {  // round c: pieces [c * PIECES, (c + 1) * PIECES) of every strip
       const int piece = c * KVC_WIDE_PIECES + sub;

@@ -1,5 +1,6 @@
-// Plan builder (SPEC §8) in two launches. kvc_prepare (one block) scans the batch: per-request
-// verify-entry offsets, the WritePlan (offsets, seeds, num_valid_reqs) and the overflow rule.
+// Plan builder (docs/format.md §8) in two launches. kvc_prepare (one block) scans the batch:
+// per-request verify-entry offsets, the WritePlan (offsets, seeds, num_valid_reqs) and the
+// overflow rule, and reports every batch value it rejects (abi.BatchField) through its sink.
 // kvc_expand materialises the per-entry VerifyPlan from those offsets; the fused verify skips it.
 #include "common.cuh"
 
@@ -30,17 +31,36 @@ __device__ __forceinline__ long long kvc_block_scan(long long v, long long* warp
   return v + before;
 }
 
+// Request r's WritePlan seed (§8): its predecessor slot when it has a cached prefix and new tokens,
+// KVC_SEED_INVALID + field for a request the builder rejected (the write skips its tokens), else
+// KVC_CHAIN_HEAD. Reports what it rejects.
+__device__ __forceinline__ long long kvc_prepare_request(const KvcPrepareParams& p, long long r, const KvcRequest& q) {
+  if (q.field != 0) {
+    kvc_record_batch(p, -1, r, q.field, q.value, q.bound);
+    return KVC_SEED_INVALID + q.field;
+  }
+  if (q.row == 0 && r + 1 < p.batch_size) {
+    const long long next = p.req_pool_indices[r + 1];
+    if (next != 0) kvc_record_batch(p, -1, r, KVC_BATCH_PADDING_ORDER, 0, next);
+  }
+  if (!q.ok || q.prefix == 0 || q.tokens == 0) return KVC_CHAIN_HEAD;
+  const long long seed = kvc_map_slot(p, kvc_rtt(p, q.row, q.prefix - 1));
+  // a map value that collides with the rejection markers is out of range, as the write reports
+  return (seed > KVC_SEED_INVALID && seed <= KVC_SEED_INVALID + KVC_BATCH_FIELD_MAX) ? KVC_SWA_UNMAPPED : seed;
+}
+
 extern "C" __global__ void __launch_bounds__(KVC_PREPARE_THREADS) kvc_prepare(const __grid_constant__ KvcPrepareParams p) {
   __shared__ long long warp_totals[32];
+  __shared__ unsigned long long first_unowned;
   long long entries_before = 0, tokens_before = 0;  // carried across chunks, uniform in the block
   for (long long base = 0; base < p.batch_size; base += blockDim.x) {
     const long long r = base + threadIdx.x;
     long long entries = 0, tokens = 0, seed = KVC_CHAIN_HEAD;
     if (r < p.batch_size) {
       const KvcRequest q = kvc_request(p, r);
-      entries = q.prefix - q.lo;
-      tokens = q.extend;
-      if (!q.padding && q.prefix > 0 && q.extend > 0) seed = kvc_map_slot(p, kvc_rtt(p, q.row, q.prefix - 1));
+      entries = q.n;
+      tokens = q.tokens;
+      seed = kvc_prepare_request(p, r, q);
     }
     long long entries_total, tokens_total;
     const long long entries_incl = kvc_block_scan(entries, warp_totals, &entries_total);
@@ -53,7 +73,21 @@ extern "C" __global__ void __launch_bounds__(KVC_PREPARE_THREADS) kvc_prepare(co
     entries_before += entries_total;
     tokens_before += tokens_total;
   }
+  // The new tokens against the write ranges: every range inside [0, T), and no token with a
+  // real slot past them (padding tokens carry -1, skipped, or the padding slot 0).
+  if (threadIdx.x == 0) first_unowned = ~0ULL;
+  __syncthreads();
+  if (p.out_cache_loc != 0)
+    for (long long i = tokens_before + threadIdx.x; i < p.num_tokens; i += blockDim.x)
+      if (p.out_cache_loc[i] > 0) atomicMin(&first_unowned, (unsigned long long)i);
+  __syncthreads();
   if (threadIdx.x == 0) {
+    if (p.out_cache_loc != 0 && tokens_before > p.num_tokens)
+      kvc_record_batch(p, -1, -1, KVC_BATCH_TOKENS_SHORT, tokens_before, p.num_tokens);
+    if (first_unowned != ~0ULL) {
+      const long long i = (long long)first_unowned;
+      kvc_record_batch(p, p.out_cache_loc[i], -1, KVC_BATCH_TOKENS_UNOWNED, i, tokens_before);
+    }
     p.entry_offsets[0] = 0;
     p.write_offsets[0] = 0;
     *p.write_num_valid_reqs = (int)p.batch_size;
@@ -63,20 +97,18 @@ extern "C" __global__ void __launch_bounds__(KVC_PREPARE_THREADS) kvc_prepare(co
   }
 }
 
-// Materialise VerifyPlan entries [0, num_valid) when enabled; entries past num_valid are never read.
+// Materialise VerifyPlan entries [0, num_valid) when enabled, exactly as the fused verify derives
+// them (kvc_fused_entry); an entry the batch does not give (it changed since kvc_prepare) is stored
+// on KVC_SWA_UNMAPPED, which the verify reports as out of range.
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_expand(const __grid_constant__ KvcExpandParams p) {
-  if (*p.verify_enable == 0) return;
+  if (*p.verify_enable == 0 || p.batch_size <= 0) return;
   const long long active = kvc_clamp(*p.verify_num_valid, 0, p.verify_capacity);
   const long long stride = (long long)gridDim.x * blockDim.x;
   for (long long e = (long long)blockIdx.x * blockDim.x + threadIdx.x; e < active; e += stride) {
-    const long long r = kvc_owner(p, e);
-    const KvcRequest q = kvc_request(p, r);
-    const long long pos = q.lo + (e - p.entry_offsets[r]);
-    long long slot, prev, tok;
-    kvc_entry(p, r, q, pos, &slot, &prev, &tok);
-    p.plan_slot[e] = slot;
-    p.plan_prev_slot[e] = prev;
-    p.plan_expected_token[e] = tok;
-    p.plan_expected_position[e] = pos;
+    const KvcEntry x = kvc_fused_entry(p, e, kvc_owner(p, e));
+    p.plan_slot[e] = x.slot;
+    p.plan_prev_slot[e] = x.prev;
+    p.plan_expected_token[e] = x.expected_token;
+    p.plan_expected_position[e] = x.position;
   }
 }

@@ -1,4 +1,4 @@
-// Write kernel (SPEC §7). One block per request (grid-stride over requests), entries in chunks of
+// Write kernel (docs/format.md §7). One block per request (grid-stride over requests), entries in chunks of
 // 192, three chunks in flight: while thread 0 advances the serial chain over chunk k (reading
 // tokens and positions from shared memory), six worker warps check and store chunk k - 1 with the
 // chain values thread 0 produced for it, then load chunk k + 1 and fingerprint its slots' real KV.
@@ -6,7 +6,8 @@
 // the chain's arithmetic, not by memory latency, the real-KV folds or the stores. Warp 4 stays
 // idle: an SM spreads a block's warps over its four schedulers by warp index mod 4, so warp 4
 // would compete with the chain for warp 0's issue slots. Graph-safe: per-step values live on the
-// device.
+// device. A request the plan builder rejected (seed KVC_SEED_INVALID + field, reported there)
+// stamps nothing; every slot read from device memory is checked against the buffer.
 #include "common.cuh"
 
 static_assert(KVC_BLOCK_THREADS == 256, "the write kernel's warp roles assume 8 warps");
@@ -132,8 +133,9 @@ extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_write(const 
     uint64_t running = kvc_sm(KVC_ANCHOR);  // meaningful in thread 0, which runs the chain
     long long running_pos = 0;
     bool pos_assert = false;
+    if (seed > KVC_SEED_INVALID && seed <= KVC_SEED_INVALID + KVC_BATCH_FIELD_MAX) continue;  // rejected
     __syncthreads();  // the previous request's chunks are consumed
-    if (seed >= p.num_slots) {
+    if (seed >= p.num_slots || seed < KVC_CHAIN_HEAD) {  // a seed slot outside the buffer: chain head
       if (tid == 0) kvc_record(p, seed, -1, 0, KVC_NO_EXPECTED_TOKEN, 0, 0, KVC_SLOT_OUT_OF_RANGE);
     } else if (seed >= 0) {
       pos_assert = assert_flag;

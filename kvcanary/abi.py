@@ -51,20 +51,30 @@ MAX_REAL_KV_SOURCES = 64
 BLOCK_THREADS = 256          # verify, write and expand blocks
 PREPARE_THREADS = 1024       # the one block of kvc_prepare
 WIDE_VERIFY_THREADS = 128    # blocks of the warp-cooperative *_wide verify kernels
-VERIFY_LANE_ENTRIES = 2      # entries per lane in a warp tile of the narrow verify kernels
-RM_MIN_BATCH = 32            # kvc_fused_verify_rm (request-major tiles) for batches of 32..1024
-RM_MAX_BATCH = 1024          # requests: its shared-memory staging holds this many
-RM_CHUNKS = 4                # VERIFY_LANE_ENTRIES-position chunks of a request per request-major task
-RM_MIN_BLOCKS = 3            # its blocks per SM (80 registers: no spills); ops launches one wave
+VERIFY_LANE_ENTRIES = 4      # entries per thread in a block tile of the narrow verify kernels
+VERIFY_MIN_BLOCKS = 4        # blocks per SM the narrow verify kernels are compiled for (64 registers)
+WIDE_HASH_BYTES = 64         # a source fingerprinting this many bytes per slot selects the *_wide verifies
+STRIP_PIECE_BYTES = 16       # fingerprints load strips in 16-byte pieces (hash_bytes is a multiple)
 NO_EXPECTED_TOKEN = -1
 CHAIN_HEAD = -1
+SWA_UNMAPPED = -2            # a full-pool slot outside the full->SWA map (never a valid SWA slot)
+PREV_ON_PADDING = -3         # plan prev_slot: a required predecessor is the padding slot 0 (reported)
+SEED_INVALID = -(1 << 63)    # WritePlan.seed of a request the plan builder rejected: + BatchField code
+INT32_MASK = 0xFFFFFFFF      # the low int32 of an int64 status cell (little-endian)
 
 
 class FailReason(enum.IntFlag):
     """Bits of ring column FAIL_REASON_BITS. Values 1..32 are format v1 (SGLang-compatible).
 
-    SLOT_OUT_OF_RANGE is a kvcanary addition: a plan, seed or out_cache_loc names a slot outside
-    the canary buffer. Format v1 readers see an unknown bit; the row is never silently dropped.
+    Bits 64 and up are kvcanary extensions (docs/format.md): format v1 readers see an unknown bit,
+    the row is never silently dropped.
+    - SLOT_OUT_OF_RANGE: a slot read from device memory (plan entry, predecessor, seed,
+      out_cache_loc, SWA map entry) lies outside the canary buffer.
+    - BATCH_INDEX_OUT_OF_RANGE: a value of the engine's batch read on the device is outside what
+      the launch's arrays allow (request-pool row outside [1, rows), a length outside
+      req_to_token, a padding row before a real one, tokens past the batch's write ranges, entry
+      offsets that disagree with the batch). The row's EXPECTED_TOKEN names the field (BatchField).
+    - PADDING_SLOT_READ: a real request's verify entry, or its required predecessor, is slot 0.
     """
 
     VERIFY_CHAIN_HASH_MISMATCH = 1
@@ -74,6 +84,23 @@ class FailReason(enum.IntFlag):
     WRITE_POSITION_MISMATCH = 16
     VERIFY_TOKEN_MISMATCH = 32
     SLOT_OUT_OF_RANGE = 64
+    BATCH_INDEX_OUT_OF_RANGE = 128
+    PADDING_SLOT_READ = 256
+
+
+class BatchField(enum.IntEnum):
+    """EXPECTED_TOKEN of a BATCH_INDEX_OUT_OF_RANGE row: which batch value was out of range.
+    Such a row has SLOT_IDX -1 (TOKENS_UNOWNED: the slot the token names), POSITION = the
+    request's index in the batch (-1 for the TOKENS fields), STORED_TOKEN = the value read,
+    EXPECTED_AUX = the bound it broke."""
+
+    REQ_POOL_INDEX = 1   # row outside [1, rtt_rows); bound rtt_rows
+    PREFIX_LEN = 2       # prefix_lens outside [0, rtt_max_len]; bound rtt_max_len
+    EXTEND_LEN = 3       # extend_lens < 0; bound 0
+    ENTRY_COUNT = 4      # the plan's entry count for the request (value) != the batch's (bound)
+    PADDING_ORDER = 5    # a padding request (row 0) before a real one; value 0, bound the real row
+    TOKENS_SHORT = 6     # the write ranges need more tokens than T; value sum(extend_lens), bound T
+    TOKENS_UNOWNED = 7   # a token past every write range has a real slot (> 0); value its index, bound the sum
 
 
 class LaunchTag(enum.IntEnum):
@@ -99,6 +126,36 @@ class HashMode(enum.IntEnum):
     NONE = 0
     PARTIAL = 1
     ALL = 2
+
+
+# ---- status block (SPEC §10) ---------------------------------------------------------------
+# int64 cells the kernels count into and the pump snapshots once per step: three fixed cells,
+# then (kernel runs, slot runs) per verify context, then (num_valid, enable) per plan (their low
+# int32 halves are the plan's int32 [1] arrays).
+STATUS_CLAIM = 0      # ring rows claimed: the 64-bit violation total; its low int32 is the v1 write index
+STATUS_CONSUMED = 1   # ring rows the host has taken (a device cell the host updates by an async copy)
+STATUS_SKIPS = 2      # verify entries skipped because the plan and the launch's batch disagree
+STATUS_FIXED_CELLS = 3
+
+
+@dataclass(frozen=True)
+class StatusLayout:
+    """Cell indices of a status block for ``contexts`` verify contexts and ``plans`` plans."""
+
+    contexts: int
+    plans: int
+
+    def runs(self, i: int) -> int:
+        """Cell of context i's kernel_run_counter (its slot_run_counter is the next one)."""
+        return STATUS_FIXED_CELLS + 2 * i
+
+    def plan(self, k: int) -> int:
+        """Cell of plan k's num_valid (its enable flag is the next one)."""
+        return STATUS_FIXED_CELLS + 2 * self.contexts + 2 * k
+
+    @property
+    def size(self) -> int:
+        return STATUS_FIXED_CELLS + 2 * (self.contexts + self.plans)
 
 
 # ---- params structs ---------------------------------------------------------------------------------
@@ -142,7 +199,7 @@ SOURCE_DESC = StructDecl("KvcSourceDesc", (
 # Fields every canary launch shares: the buffer, the sink, the counters and the sources. The
 # sources are a device array of the context (num_sources KvcSourceDesc), not inline: params
 # stay ~150 bytes, which is what cuLaunchKernel copies and the GPU loads per launch.
-_COMMON = (
+COMMON = (
     _F("canary", "ptr:long long"),
     _F("slot_stride_words", "i64"),  # slot stride in int64 words
     _F("num_slots", "i64"),
@@ -154,9 +211,14 @@ _COMMON = (
     _F("tag", "i32"),
     _F("num_sources", "i32"),
     _F("sources", "ptr:const KvcSourceDesc"),
+    # 0, or a 64-bit claim counter for ring rows (the status block's cell, whose low int32 is
+    # the v1 write index): rows are then kept in a window of ring_capacity after ring_consumed.
+    _F("ring_claim", "ptr:unsigned long long"),
+    _F("ring_consumed", "ptr:const long long"),   # 0 = fill once (format v1)
+    _F("skip_counter", "ptr:unsigned long long"),  # 0, or verify entries skipped (plan != batch)
 )
 
-VERIFY_PARAMS = StructDecl("KvcVerifyParams", _COMMON + (
+VERIFY_PARAMS = StructDecl("KvcVerifyParams", COMMON + (
     _F("plan_slot", "ptr:const long long"),
     _F("plan_expected_token", "ptr:const long long"),
     _F("plan_expected_position", "ptr:const long long"),
@@ -168,7 +230,7 @@ VERIFY_PARAMS = StructDecl("KvcVerifyParams", _COMMON + (
     _F("_pad0", "i32"),
 ))
 
-WRITE_PARAMS = StructDecl("KvcWriteParams", _COMMON + (
+WRITE_PARAMS = StructDecl("KvcWriteParams", COMMON + (
     _F("offsets", "ptr:const long long"),
     _F("seed", "ptr:const long long"),
     _F("num_valid_reqs", "ptr:const int"),
@@ -206,11 +268,15 @@ _BATCH = (
     _F("verify_capacity", "i64"),
 )
 
-PREPARE_PARAMS = StructDecl("KvcPrepareParams", _BATCH + (
+# The plan builder reports what it rejects through a sink (the _COMMON ring fields; it counts no
+# launch of its own) and checks the group's new tokens against the write ranges.
+PREPARE_PARAMS = StructDecl("KvcPrepareParams", COMMON + _BATCH + (
     _F("write_offsets", "ptr:long long"),        # WritePlan.offsets [req_capacity + 1]
     _F("write_seed", "ptr:long long"),           # WritePlan.seed [req_capacity]
     _F("write_num_valid_reqs", "ptr:int"),
     _F("write_req_capacity", "i64"),
+    _F("out_cache_loc", "ptr:const long long"),  # the group's slots of the new tokens, or 0
+    _F("num_tokens", "i64"),
 ))
 
 EXPAND_PARAMS = StructDecl("KvcExpandParams", _BATCH + (
@@ -220,7 +286,7 @@ EXPAND_PARAMS = StructDecl("KvcExpandParams", _BATCH + (
     _F("plan_prev_slot", "ptr:long long"),
 ))
 
-FUSED_VERIFY_PARAMS = StructDecl("KvcFusedVerifyParams", _COMMON + _BATCH + (
+FUSED_VERIFY_PARAMS = StructDecl("KvcFusedVerifyParams", COMMON + _BATCH + (
     _F("check_expected_token", "i32"),
     _F("_pad0", "i32"),
 ))
@@ -258,7 +324,6 @@ KERNELS: dict[str, str] = {
     "kvc_verify_wide": VERIFY_PARAMS.name,              # fingerprints of >= WIDE_HASH_BYTES
     "kvc_fused_verify": FUSED_VERIFY_PARAMS.name,
     "kvc_fused_verify_wide": FUSED_VERIFY_PARAMS.name,
-    "kvc_fused_verify_rm": FUSED_VERIFY_PARAMS.name,    # request-major tiles, batches of RM_*_BATCH
     "kvc_write": WRITE_PARAMS.name,
     "kvc_prepare": PREPARE_PARAMS.name,
     "kvc_expand": EXPAND_PARAMS.name,
@@ -343,14 +408,28 @@ def constants() -> dict[str, int]:
         "KVC_REAL_KV_ALIGN": REAL_KV_ALIGN, "KVC_ECHO_BYTES": ECHO_BYTES,
         "KVC_BLOCK_THREADS": BLOCK_THREADS, "KVC_PREPARE_THREADS": PREPARE_THREADS,
         "KVC_WIDE_VERIFY_THREADS": WIDE_VERIFY_THREADS, "KVC_VERIFY_LANE_ENTRIES": VERIFY_LANE_ENTRIES,
-        "KVC_RM_MAX_BATCH": RM_MAX_BATCH, "KVC_RM_CHUNKS": RM_CHUNKS, "KVC_RM_MIN_BLOCKS": RM_MIN_BLOCKS,
+        "KVC_VERIFY_MIN_BLOCKS": VERIFY_MIN_BLOCKS,
+        "KVC_WIDE_HASH_BYTES": WIDE_HASH_BYTES, "KVC_STRIP_PIECE_BYTES": STRIP_PIECE_BYTES,
+        "KVC_SWA_UNMAPPED": SWA_UNMAPPED, "KVC_PREV_ON_PADDING": PREV_ON_PADDING,
+        "KVC_SEED_INVALID": SEED_INVALID, "KVC_INT32_MASK": INT32_MASK,
     }
+    for field in BatchField:
+        out[f"KVC_BATCH_{field.name}"] = int(field)
+    out["KVC_BATCH_FIELD_MAX"] = max(BatchField)
     for name in ("KERNEL_KIND", "SLOT_IDX", "POSITION", "STORED_TOKEN", "EXPECTED_TOKEN",
                  "STORED_CHAIN_HASH", "EXPECTED_AUX", "FAIL_REASON_BITS"):
         out[f"KVC_COL_{name}"] = globals()[f"COL_{name}"]
     for bit in FailReason:
         out[f"KVC_{bit.name}"] = int(bit)
     return out
+
+
+def _c_literal(value: int) -> str:
+    if value > 0x7FFFFFFFFFFFFFFF:
+        return f"((unsigned long long){value}ULL)"
+    if value == -(1 << 63):  # no such literal in C: -9223372036854775808LL overflows
+        return "((long long)(-9223372036854775807LL - 1))"
+    return f"((long long){value}LL)"
 
 
 def _c_decl(f: Field) -> str:
@@ -385,8 +464,7 @@ def render_prelude(structs: tuple[StructDecl, ...] = STRUCTS,
         "",
     ]
     for name, value in constants().items():
-        c_type = "unsigned long long" if value > 0x7FFFFFFFFFFFFFFF else "long long"
-        lines.append(f"#define {name} (({c_type}){value}{'ULL' if value > 0x7FFFFFFFFFFFFFFF else 'LL'})")
+        lines.append(f"#define {name} {_c_literal(value)}")
     lines.append("")
     for decl in structs:
         expected = (offsets or {}).get(decl.name, layout(decl))

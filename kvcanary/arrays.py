@@ -316,6 +316,24 @@ def as_view(obj, *, name: str, stream: int | None = None) -> ArrayView:
           "pass one of those, e.g. a torch.Tensor on the KV cache's device")
 
 
+def layout_key(obj):
+    """What a packed launch depends on of one Batch field, cheaply: address, shape, strides and
+    dtype of an array (torch tensors, ``__cuda_array_interface__`` producers, numpy), the value
+    of a scalar. Two arrays with equal keys can replay each other's launches; anything else keys
+    on its identity (never a false hit)."""
+    if obj is None or isinstance(obj, (int, float)):
+        return obj
+    kind = type(obj)
+    if kind.__module__ == "torch" and hasattr(obj, "data_ptr"):
+        return (obj.data_ptr(), obj.shape, obj.stride(), obj.dtype)
+    if isinstance(obj, np.ndarray):
+        return (obj.__array_interface__["data"][0], obj.shape, obj.strides, obj.dtype.str)
+    cai = getattr(obj, "__cuda_array_interface__", None)
+    if cai is not None:
+        return (cai["data"][0], tuple(cai["shape"]), cai.get("strides"), cai["typestr"])
+    return (kind, id(obj))
+
+
 _SHAPE_FIX = "reshape to [num_slots, bytes_per_slot], e.g. t.view(t.shape[0], -1)"
 
 

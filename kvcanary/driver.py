@@ -104,6 +104,7 @@ class DeviceRuntime:
     library: object = None
     sole: bool = False  # the only CUDA device of the process
     _streams: dict = field(default_factory=dict)  # CUstream objects by handle (launch hot path)
+    _occupancy: dict = field(default_factory=dict)  # (kernel, block) -> resident blocks
 
     def enter(self) -> bool:
         """Make this device's primary context current; True if one had to be pushed.
@@ -200,11 +201,45 @@ class DeviceRuntime:
         ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(params))
         self.launch(name, grid, block, ctypes.addressof(ptrs), stream)  # params, ptrs alive until return
 
+    def resident_blocks(self, name: str, block: int) -> int:
+        """Blocks of ``name`` (``block`` threads) the whole device holds at once: the driver's
+        occupancy for the kernel times the SM count (cuOccupancyMaxActiveBlocksPerMultiprocessor,
+        so register and shared-memory limits of the compiled kernel count). Cached."""
+        key = (name, block)
+        n = self._occupancy.get(key)
+        if n is None:
+            per_sm = check(self.call(_driver().cuOccupancyMaxActiveBlocksPerMultiprocessor, self.functions[name],
+                                     block, 0), f"cuOccupancyMaxActiveBlocksPerMultiprocessor({name})")
+            n = self._occupancy[key] = max(1, int(per_sm)) * self.sm_count
+        return n
+
     def global_address(self, name: str) -> tuple[int, int]:
         d = _driver()
         ptr, size = check(self.call(d.cuLibraryGetGlobal, self.library, name.encode()),
                           f"cuLibraryGetGlobal({name})")
         return int(ptr), int(size)
+
+
+class Launch:
+    """A validated, packed kernel launch: replaying it costs one cuLaunchKernel.
+
+    Holds the params struct and its pointer array, so both outlive every launch of it. Pointers
+    inside are fixed: replay only while the arrays it was built from are alive and unchanged.
+    ``go(stream)`` is the bound launch (``DeviceRuntime.launcher``): hot loops call it directly.
+    Fields of ``params`` may be changed between launches (cuLaunchKernel copies the struct).
+    """
+
+    __slots__ = ("rt", "name", "grid", "block", "params", "_ptrs", "address", "stream", "keep", "go")
+
+    def __init__(self, rt: DeviceRuntime, name: str, grid: int, block: int, params, stream: int, keep=()):
+        self.rt, self.name, self.grid, self.block, self.params, self.stream = rt, name, grid, block, params, stream
+        self._ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        self.address = ctypes.addressof(self._ptrs)
+        self.keep = keep  # the objects owning every pointer in params stay alive with the launch
+        self.go = rt.launcher(name, grid, block, self.address)
+
+    def __call__(self, stream: int | None = None) -> None:
+        self.go(self.stream if stream is None else stream)
 
 
 def _pick_cubin(cubins: dict[int, bytes], capability: tuple[int, int]) -> int | None:

@@ -12,6 +12,16 @@ class ValidationError(KvCanaryError, ValueError):
     """Bad input caught on the host before any launch (shape, dtype, layout, value)."""
 
 
+class BatchValueError(ValidationError):
+    """A host-array batch value the device would report as BATCH_INDEX_OUT_OF_RANGE, rejected
+    before anything ran. Carries what the device row would: ``field`` (abi.BatchField),
+    ``request`` (index in the batch, -1 for the token arrays), ``value``, ``bound``, ``slot``."""
+
+    def __init__(self, message: str, *, field: int, request: int, value: int, bound: int, slot: int = -1):
+        super().__init__(message)
+        self.field, self.request, self.value, self.bound, self.slot = field, request, value, bound, slot
+
+
 class ValidationTypeError(KvCanaryError, TypeError):
     """An argument of the wrong kind (not an array, wrong dtype family)."""
 

@@ -6,27 +6,33 @@ TAIL, stamped after it with real-KV fingerprints. ``before_forward`` verifies th
 against HEAD and stamps the new tokens; ``after_forward`` does the same against TAIL with real KV
 and then polls the asynchronous pump. ``sweep`` scrubs idle cached slots against TAIL. All step
 launches are capturable in a CUDA graph (see README: what must stay static).
+
+Threads: every public method holds the canary's lock, so one KvCanary may be driven from several
+threads (its steps are serialised; nothing is lost or counted twice).
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
+from collections import OrderedDict
 from dataclasses import dataclass
-from operator import is_
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
 
 import numpy as np
 
-from . import abi, ops, streams
+from . import abi, backends, ops
+from .arrays import layout_key
 from .errors import KvCanaryError, ValidationError
 from .plan import Batch, StepPlan
-from .pump import Pump, int32_at, int64_slice
-from .reporting import Reporter
+from .reporting import Reporter, RingLedger
 from .sources import RealKvSource
-from .state import CanaryBuffer, VerifyContext, ViolationSink, alloc_zeros
+from .state import CanaryBuffer, VerifyContext, ViolationSink
+from .validate import boolean, hash_mode as parse_hash_mode, integer
 from .violations import decode_ring
 
-HASH_MODES = {"none": abi.HashMode.NONE, "partial": abi.HashMode.PARTIAL, "all": abi.HashMode.ALL}
+STAGES = ("HEAD", "TAIL")
+LAYOUTS_KEPT = 8  # packed launch sets kept per stage, one per distinct batch layout
 
 
 @dataclass
@@ -41,152 +47,178 @@ class PoolGroup:
     window: int = 0
     full_to_swa: Any = None
 
+    def __post_init__(self):
+        integer("PoolGroup.num_slots", self.num_slots, lo=1, hi=1 << 40, fix="pass the pool's slot count")
+        integer("PoolGroup.window", self.window, lo=0, hi=(1 << 31) - 1, fix="pass 0 or the window in tokens")
+        halves = self.resolved_halves()
+        if not halves or len(set(halves)) != len(halves) or not set(halves) <= {"K", "V"}:
+            raise ValidationError(f"kv-canary: PoolGroup.halves must be ('K',), ('V',) or ('K', 'V'), got "
+                                  f"{self.halves!r}. Fix: name each half of the pool once")
+
     def resolved_halves(self) -> tuple[str, ...]:
         if self.halves is not None:
-            return tuple(self.halves)
+            return tuple(self.halves) if isinstance(self.halves, (tuple, list)) else (self.halves,)
         return ("K",) if self.k_sources and not self.v_sources else ("K", "V")
+
+
+class Key(NamedTuple):
+    """A verify context of the canary: stage (HEAD/TAIL/SWEEP), group (FULL/SWA), half, op."""
+
+    stage: str
+    group: str
+    half: str
+    op: str
 
 
 class KvCanary:
     """Canary state and step launches for one KV pool (see module docstring)."""
 
     def __init__(self, full: PoolGroup, swa: PoolGroup | None = None, *, device: int | None = None,
-                 hash_mode: str = "partial", mode: str = "log", max_batch: int = 256,
+                 hash_mode="partial", mode: str = "log", max_batch: int = 256,
                  verify_capacity: int = 1 << 20, ring_capacity: int = abi.DEFAULT_RING_CAPACITY,
                  sweep_capacity: int = 1 << 16, check_expected_token: bool = False,
                  chain_position_assert: bool = False, fused: bool = True, stats_every: int = 0,
                  export=None):
-        if hash_mode not in HASH_MODES:
-            raise ValidationError(f"kv-canary: hash_mode must be one of {tuple(HASH_MODES)}, got {hash_mode!r}")
+        mode_hash = parse_hash_mode(hash_mode)
+        for name, g in (("full", full), ("swa", swa)):
+            if g is not None and not isinstance(g, PoolGroup):
+                raise ValidationError(f"kv-canary: KvCanary {name} must be a PoolGroup, got {type(g).__name__}. "
+                                      f"Fix: PoolGroup(num_slots, k_sources=..., v_sources=...)")
+        if swa is not None and swa.full_to_swa is None:
+            raise ValidationError("kv-canary: the SWA group needs full_to_swa (an int64 map of full-pool "
+                                  "slots to SWA slots), got None. Fix: PoolGroup(..., window=W, full_to_swa=map)")
+        if device is not None:
+            integer("device", device, lo=0, fix="pass None (host arrays) or a CUDA ordinal such as 0")
+        integer("ring_capacity", ring_capacity, lo=1, hi=1 << 24)
+        integer("stats_every", stats_every, lo=0)
+        self.check_expected_token = boolean("check_expected_token", check_expected_token)
+        self.fused, self.stats_every = boolean("fused", fused), stats_every
+        boolean("chain_position_assert", chain_position_assert)
         self.reporter = Reporter(mode, export)
-        self.mode, self.device, self.fused = mode, device, fused
-        self.check_expected_token, self.stats_every = check_expected_token, stats_every
+        self.mode, self.device, self.hash_mode = self.reporter.mode, device, mode_hash
         self.groups = {"FULL": full, **({"SWA": swa} if swa is not None else {})}
-        if swa is not None and (swa.full_to_swa is None or swa.window < 0):
-            raise ValidationError("kv-canary: the SWA group needs full_to_swa (int64 map) and window >= 0")
-        hm = HASH_MODES[hash_mode]
-        names = [(st, g, h, op) for g, grp in self.groups.items() for h in grp.resolved_halves()
-                 for st, op in (("HEAD", "verify"), ("HEAD", "write"), ("TAIL", "verify"),
-                                ("TAIL", "write"), ("SWEEP", "verify"))]
-        n_groups = len(self.groups)
-        # status block: [0] write_index, then (kernel runs, slot runs) per context, then
-        # (num_valid, enable) per group plan and for the sweep plan.
-        self.status = alloc_zeros((1 + 2 * len(names) + 2 * (n_groups + 1),), np.int64, device)
-        ring = alloc_zeros((ring_capacity, abi.RING_COLS), np.int64, device)
-        wi = int32_at(self.status, 0, device)
-        flag = alloc_zeros((1,), np.int32, device)
-        buffers = {(st, g, h): CanaryBuffer.allocate(self.groups[g].num_slots, device=device)
-                   for g, grp in self.groups.items() for h in grp.resolved_halves() for st in ("HEAD", "TAIL")}
-        self.ctx: dict[tuple, VerifyContext] = {}
-        for i, (st, g, h, op) in enumerate(names):
-            sink = ViolationSink(ring, wi, *(int64_slice(self.status, 1 + 2 * i + k, 1, device) for k in (0, 1)))
-            grp = self.groups[g]
-            head = st == "HEAD"
-            sources = () if head else (grp.k_sources if h == "K" else grp.v_sources)
-            self.ctx[st, g, h, op] = VerifyContext(
-                buffers["HEAD" if head else "TAIL", g, h], sink, abi.LaunchTag[f"{st}_{h}_{g}"],
-                sources, abi.HashMode.NONE if head else hm, chain_position_assert=flag)
-        self._names, self._ring, self.ring_capacity = names, ring, ring_capacity
-        # contexts whose slot runs the stats count: TAIL writes (protected tokens), all verifies
-        self._tail_writes = np.array([i for i, nm in enumerate(names) if nm[0] == "TAIL" and nm[3] == "write"], np.intp)
-        self._verifies = np.array([i for i, nm in enumerate(names) if nm[3] == "verify"], np.intp)
+        self._lock = threading.RLock()
+        self.backend = be = backends.for_device(device)
+        self.keys = [Key(st, g, h, op) for g, grp in self.groups.items() for h in grp.resolved_halves()
+                     for st, op in (("HEAD", "verify"), ("HEAD", "write"), ("TAIL", "verify"),
+                                    ("TAIL", "write"), ("SWEEP", "verify"))]
+        self.layout = lay = abi.StatusLayout(len(self.keys), len(self.groups) + 1)
+        self.status = be.zeros((lay.size,), np.int64)
+        self._ring = be.zeros((ring_capacity, abi.RING_COLS), np.int64)
+        self.ring_capacity = ring_capacity
+        flag = be.zeros((1,), np.int32)
+        buffers = {(st, g, h): CanaryBuffer.allocate(grp.num_slots, device=device)
+                   for g, grp in self.groups.items() for h in grp.resolved_halves() for st in STAGES}
+        self.ctx: dict[Key, VerifyContext] = {}
+        for i, key in enumerate(self.keys):
+            sink = ViolationSink(self._ring, be.cells(self.status, abi.STATUS_CLAIM, dtype=np.int32),
+                                 be.cells(self.status, lay.runs(i)), be.cells(self.status, lay.runs(i) + 1),
+                                 claim=be.cells(self.status, abi.STATUS_CLAIM),
+                                 consumed=be.cells(self.status, abi.STATUS_CONSUMED),
+                                 skips=be.cells(self.status, abi.STATUS_SKIPS))
+            grp, head = self.groups[key.group], key.stage == "HEAD"
+            sources = () if head else (grp.k_sources if key.half == "K" else grp.v_sources)
+            self.ctx[key] = VerifyContext(buffers["HEAD" if head else "TAIL", key.group, key.half], sink,
+                                          abi.LaunchTag[f"{key.stage}_{key.half}_{key.group}"], sources,
+                                          abi.HashMode.NONE if head else mode_hash, chain_position_assert=flag)
         if chain_position_assert:
             next(iter(self.ctx.values())).set_chain_position_assert(True)
-        base = 1 + 2 * len(names)
         self.plans: dict[str, StepPlan] = {}
         for k, g in enumerate([*self.groups, "SWEEP"]):
-            cap = sweep_capacity if g == "SWEEP" else verify_capacity
+            cap = integer("sweep_capacity" if g == "SWEEP" else "verify_capacity",
+                          sweep_capacity if g == "SWEEP" else verify_capacity, lo=1, hi=(1 << 31) - 1)
             p = StepPlan.allocate(max_batch, cap, device=device, materialize=(g == "SWEEP" or not fused))
-            p.num_valid = int32_at(self.status, base + 2 * k, device)
-            p.enable = int32_at(self.status, base + 2 * k + 1, device)
+            p.num_valid, p.enable = (be.cells(self.status, lay.plan(k) + j, dtype=np.int32) for j in (0, 1))
             self.plans[g] = p
-        self.pump = Pump(self.status, ring, ring_capacity, device)
-        self._rt = None
-        if device is not None:
-            from . import driver
-            self._rt = driver.runtime(device)
+        self.pump = be.pump(self.status, self._ring)
+        self.ledger = RingLedger(ring_capacity)
         self.step = 0
-        # Launches enqueued per context = _expected (sweeps, replays; replaced, never changed in
-        # place, once a snapshot's meta holds it) + stage runs x the stage's mask.
-        self._expected = np.zeros(len(names), np.int64)
-        self._stage_runs = [0, 0]  # HEAD, TAIL stages enqueued outside a graph capture
-        self._masks = [np.array([nm[0] == st for nm in names], np.int64) for st in ("HEAD", "TAIL")]
-        self._enable_cells = [(base + 2 * k + 1, g) for k, g in enumerate(self.groups)]
-        self._last = None  # (newest snapshot taken, its meta)
-        self._hot: dict = {}  # stage -> (the Batch's field objects, bound launches, Launches)
+        # Launches enqueued per context = _expected (sweeps, replays) + stage runs x stage mask.
+        self._expected = np.zeros(len(self.keys), np.int64)
+        self._stage_runs = [0, 0]
+        self._masks = [np.array([k.stage == st for k in self.keys], np.int64) for st in STAGES]
+        self._last = None  # (newest snapshot processed, its meta)
+        self._packed = {st: OrderedDict() for st in STAGES}  # layout key -> launches, per stage
         self._stage_launches = 0
-        self._seen_rows = 0
         self._skipped = 0
+        first = {g: next(i for i, k in enumerate(self.keys) if k.group == g) for g in self.groups}
+        self._tokens_ctx = self.keys.index(Key("TAIL", "FULL", full.resolved_halves()[0], "write"))
+        self._verifies = np.array([i for i, k in enumerate(self.keys) if k.op == "verify"], np.intp)
+        self._head_ctx = {g: self.ctx[self.keys[i]] for g, i in first.items()}
 
     # ---- step API --------------------------------------------------------------------------------
     def before_forward(self, batch: Batch, stream=None) -> None:
         """HEAD: verify each request's cached prefix (identity) and stamp the new tokens."""
-        self._stage(batch, "HEAD", stream)
+        with self._lock:
+            self._stage(batch, 0, stream)
 
     def after_forward(self, batch: Batch, stream=None) -> None:
         """TAIL: verify the prefix with real KV, stamp the new tokens with their fingerprints, then
         poll the pump (skipped while the stream is being captured into a CUDA graph)."""
-        s = self._stage(batch, "TAIL", stream)
-        if s is not False:  # False: captured
-            self._report(s, advance=True)
+        with self._lock:
+            s = self._stage(batch, 1, stream)
+            if s is not False:  # False: captured
+                self._report(s, advance=True)
 
-    def _stage(self, batch: Batch, stage: str, stream):
-        """Enqueue one stage; the stream handle (None on the CPU backend, or mode "none"), or
-        False while that stream is capturing a graph (the launches are then not counted: they
-        run when the graph is replayed, see :meth:`record_replay`)."""
+    def _stage(self, batch: Batch, k: int, stream):
+        """Enqueue (or, on the host, run) one stage; the stream, or False while it is capturing a
+        graph (those launches count when the graph is replayed: :meth:`record_replay`)."""
         if self.mode == "none":
             return None
-        k = stage == "TAIL"
-        if self.device is None:
-            self._launches(batch, stage)  # the host ops run here
-            self._stage_runs[k] += 1
-            return None
-        s = stream if type(stream) is int else streams.resolve(stream, (batch.req_pool_indices,), (),
-                                                               self.device)
-        hot = self._hot.get(stage)
-        if hot is None or not all(map(is_, batch.__dict__.values(), hot[0])):  # other arrays: repack
-            hot = self._launches(batch, stage)
-        for go in hot[1]:
-            go(s)
-        self._stage_launches += len(hot[1])
-        if self._rt.capturing(s):
-            return False
+        if not isinstance(batch, Batch):
+            raise ValidationError(f"kv-canary: {STAGES[k].lower()} needs a kvcanary.Batch, got "
+                                  f"{type(batch).__name__}. Fix: build one with kvcanary.Batch(...) or an adapter")
+        s = self.backend.stream(stream, batch)
+        if not self.backend.cached_launches:
+            self._pack(batch, STAGES[k], s)  # the reference runs while packing
+        else:
+            cache, key = self._packed[STAGES[k]], tuple(map(layout_key, batch.__dict__.values()))
+            launches = cache.get(key)
+            if launches is None:
+                launches = cache[key] = self._pack(batch, STAGES[k], s)
+                if len(cache) > LAYOUTS_KEPT:
+                    cache.popitem(last=False)
+            for launch in launches:
+                launch.go(s)
+            self._stage_launches += len(launches)
+            if self.backend.capturing(s):
+                return False
         self._stage_runs[k] += 1
         return s
 
-    def _launches(self, batch: Batch, stage: str):
-        """Pack the launches of one stage for this batch's arrays and keep them (hot path of
-        :meth:`_stage`: replayed while every field of the Batch is the same object). On the
-        CPU backend the ops run here and nothing is kept or returned."""
+    def _pack(self, batch: Batch, stage: str, stream) -> list:
+        """The launches of one stage for this batch's array layout (validated here, once per
+        layout). They hold no reference to the batch's arrays: a later batch with the same layout
+        replays them on its own arrays (same addresses)."""
         out = []
         for g, grp in self.groups.items():
             plan = self.plans[g]
             swa = dict(swa_window=grp.window, swa_map=grp.full_to_swa) if g == "SWA" else {}
-            if stage == "HEAD":  # plan-builder launches have no counters of their own
-                out += ops.prepare_build_plan(batch, plan, **swa)
+            if stage == "HEAD":
+                out += ops.prepare_build_plan(batch, plan, ctx=self._head_ctx[g], stream=stream, **swa)
             loc = batch.swa_out_cache_loc if g == "SWA" else batch.out_cache_loc
             if loc is None:
-                raise ValidationError(f"kv-canary: batch.{'swa_' if g == 'SWA' else ''}out_cache_loc is "
-                                      f"required to stamp the {g} group")
+                raise ValidationError(f"kv-canary: batch.{'swa_' if g == 'SWA' else ''}out_cache_loc must be given "
+                                      f"to stamp the {g} group, got None. Fix: pass the new tokens' slots")
             for h in grp.resolved_halves():
-                vctx, wctx = self.ctx[stage, g, h, "verify"], self.ctx[stage, g, h, "write"]
-                verify = ops.prepare_fused_verify if self.fused else (lambda c, b, p, **kw: ops.prepare_verify(
-                    c, p, check_expected_token=kw["check_expected_token"]))
-                out.append(verify(vctx, batch, plan, check_expected_token=self.check_expected_token, **swa))
-                out.append(ops.prepare_write(
-                    wctx, plan, batch.input_ids, batch.positions, loc,
-                    expected_input_ids=batch.expected_input_ids, expected_positions=batch.expected_positions))
-        if self.device is None:  # host ops already ran; nothing to replay
-            return None
-        hot = self._hot[stage] = (tuple(batch.__dict__.values()), tuple(lc.go for lc in out), out)
-        return hot
+                vctx, wctx = self.ctx[Key(stage, g, h, "verify")], self.ctx[Key(stage, g, h, "write")]
+                if self.fused:
+                    out.append(ops.prepare_fused_verify(vctx, batch, plan, check_expected_token=self.check_expected_token,
+                                                        stream=stream, **swa))
+                else:
+                    out.append(ops.prepare_verify(vctx, plan, check_expected_token=self.check_expected_token,
+                                                  stream=stream))
+                out.append(ops.prepare_write(wctx, plan, batch.input_ids, batch.positions, loc, stream=stream,
+                                             expected_input_ids=batch.expected_input_ids,
+                                             expected_positions=batch.expected_positions))
+        return [launch for launch in out if launch is not None]
 
     def launches_per_step(self) -> int:
         """cuLaunchKernel calls of one eager ``before_forward`` + ``after_forward`` of the batch
-        last packed: both stages' launches plus the pump's snapshot (0 on the CPU backend)."""
-        if self.device is None or self.mode == "none":
+        layout last packed: both stages' launches plus the pump's snapshot (0 on the host)."""
+        if not self.backend.cached_launches or self.mode == "none":
             return 0
-        return sum(len(self._hot[st][1]) for st in ("HEAD", "TAIL") if st in self._hot) + 1
+        return sum(len(next(reversed(c.values()))) for c in self._packed.values() if c) + 1
 
     @property
     def launch_count(self) -> int:
@@ -196,82 +228,71 @@ class KvCanary:
     def sweep(self, slots, positions, prev_slots, *, group: str = "FULL", stream=None) -> None:
         """Verify idle cached slots against the TAIL buffers with real KV (tags SWEEP_*).
         ``prev_slots[i]`` is slot i's predecessor (-1 for a chain head); host sequences."""
-        slots, positions, prev = (np.ascontiguousarray(a, np.int64) for a in (slots, positions, prev_slots))
-        n, plan = len(slots), self.plans["SWEEP"]
-        if not (len(positions) == len(prev) == n) or n > plan.verify_capacity:
-            raise ValidationError(f"kv-canary: sweep needs slots, positions, prev_slots of one length "
-                                  f"<= sweep_capacity ({plan.verify_capacity}), got {len(slots)}, "
-                                  f"{len(positions)}, {len(prev)}")
-        host = {"slot": slots, "expected_position": positions, "prev_slot": prev,
-                "expected_token": np.full(n, -1, np.int64)}
-        if self.device is None:
-            for k, a in host.items():
-                getattr(plan, k)[:n] = a
-            plan.num_valid[0], plan.enable[0] = n, 1
-        else:
-            s = streams.resolve(stream, (), (), self.device)
-            self._stage_sweep(host, n, s)
-        halves = self.groups[group].resolved_halves()
-        for h in halves:
-            ops.verify(self.ctx["SWEEP", group, h, "verify"], plan, stream=None if self.device is None else s)
-        self._count([self._names.index(("SWEEP", group, h, "verify")) for h in halves])
-        if self.device is None:
-            self._report(None, advance=False)  # a sweep is not a step
+        from .sweep import sweep_plan
+        with self._lock:
+            if group not in self.groups:
+                raise ValidationError(f"kv-canary: sweep group must be one of {tuple(self.groups)}, got "
+                                      f"{group!r}. Fix: pass group='FULL'")
+            plan = self.plans["SWEEP"]
+            host, n = sweep_plan(slots, positions, prev_slots, plan.verify_capacity)
+            s = self.backend.stream(stream, None)
+            self.backend.stage_sweep(plan, host, n, s)
+            halves = self.groups[group].resolved_halves()
+            for h in halves:
+                ops.verify(self.ctx[Key("SWEEP", group, h, "verify")], plan, stream=s)
+            self._count([self.keys.index(Key("SWEEP", group, h, "verify")) for h in halves])
+            if not self.backend.cached_launches:
+                self._report(None, advance=False)  # a sweep is not a step
 
     def sweep_chains(self, chains, *, group: str = "FULL", stream=None) -> None:
         """:meth:`sweep` over node chains: each chain lists the slots of positions 0, 1, ... of one
         cached sequence (e.g. a radix-tree path from the root)."""
-        slots, positions, prev = [], [], []
-        for chain in chains:
-            chain = [int(x) for x in chain]
-            slots += chain
-            positions += range(len(chain))
-            prev += [-1] + chain[:-1]
-        self.sweep(slots, positions, prev, group=group, stream=stream)
-
-    def _stage_sweep(self, host: dict, n: int, s: int) -> None:
-        from . import memory
-        plan = self.plans["SWEEP"]
-        if not hasattr(self, "_sweep_staging"):
-            self._sweep_staging = memory.PinnedBuffer((5, plan.verify_capacity), np.int64, self.device)
-            self._sweep_done = memory.Event(self.device)
-            self._sweep_done.record(s)
-        self._sweep_done.synchronize()  # the previous sweep's upload has left the staging buffer
-        st = self._sweep_staging.array
-        for row, k in enumerate(("slot", "expected_position", "prev_slot", "expected_token")):
-            st[row, :n] = host[k]
-            memory.copy_async(getattr(plan, k).ptr, self._sweep_staging.ptr + row * 8 * plan.verify_capacity,
-                              8 * n, s, self.device)
-        st[4, 0], st[4, 1] = n, 1  # little-endian: the low int32 of each cell is the value
-        cells = self._sweep_staging.ptr + 4 * plan.verify_capacity * 8
-        memory.copy_async(plan.num_valid.ptr, cells, 4, s, self.device)
-        memory.copy_async(plan.enable.ptr, cells + 8, 4, s, self.device)
-        self._sweep_done.record(s)
+        from .sweep import chains_plan
+        self.sweep(*chains_plan(chains), group=group, stream=stream)
 
     # ---- pump ------------------------------------------------------------------------------------
     def poll(self, stream=None) -> None:
         """Report what the newest completed snapshots show, then snapshot again (on ``stream``;
         skipped while it is capturing a graph). Never waits on the device, except to read back
         ring rows after violations were seen."""
-        s = None if stream is None else streams.stream_handle(stream)
-        if s is not None and self.device is not None and self._rt.capturing(s):
-            return  # a snapshot launch in a capture would run only on replay
-        self._report(s, advance=True)
+        with self._lock:
+            s = None if stream is None else self.backend.stream(stream, None)
+            if s is not None and self.backend.capturing(s):
+                return  # a snapshot launch in a capture would run only on replay
+            self._report(s, advance=True)
+
+    def _meta(self):
+        return (self.step, self._stage_runs[0], self._stage_runs[1], self._expected, self.ledger.floor)
 
     def _report(self, stream, advance: bool) -> None:
-        meta = (self.step, self._stage_runs[0], self._stage_runs[1], self._expected)
+        meta = self._meta()
         taken = self.pump.take(meta)
-        if stream is not None and self.device is not None:
-            self.pump.snapshot(stream, meta)  # ring reads below use a stream of their own
+        enqueued = stream is not None and self.pump.snapshot(stream, meta)  # ring reads use a side stream
         if advance:
             self.step += 1
-        for snap, meta in taken:  # may raise in mode "raise", after the step advanced
-            self._process(snap, meta)
+        try:
+            for snap, m in taken:  # may raise in mode "raise", after the step advanced
+                self._process(snap, m)
+        finally:
+            self._consume(stream)
+            if enqueued or not self.backend.cached_launches:
+                self.ledger.floor = self.ledger.consumed
+
+    def _consume(self, stream) -> None:
+        """Rows taken: let the kernels reuse their ring slots (in stream order after this point)."""
+        if self.ledger.total > self.ledger.consumed:
+            self.ledger.consumed = self.ledger.total
+            self.backend.set_consumed(self.status, self.ledger.total, stream)
 
     def flush(self) -> None:
         """Wait for every snapshot and report it (shutdown and tests; this one does synchronise)."""
-        for snap, meta in self.pump.drain((self.step, *self._stage_runs, self._expected)):
-            self._process(snap, meta)
+        with self._lock:
+            try:
+                for snap, meta in self.pump.drain(self._meta()):
+                    self._process(snap, meta)
+            finally:
+                self._consume(None)
+                self.ledger.floor = self.ledger.consumed  # the device is idle: no launch saw an older mark
 
     def _count(self, indices) -> None:
         """One more launch enqueued for each context index (a new array: metas keep the old)."""
@@ -279,78 +300,86 @@ class KvCanary:
         expected[indices] += 1
         self._expected = expected
 
-    def _expected_at(self, meta) -> np.ndarray:
-        _, head, tail, base = meta
-        return base + head * self._masks[0] + tail * self._masks[1]
-
     def _process(self, snap: list, meta) -> None:
         """Report one snapshot (the status block as ints) taken with ``meta``."""
-        step, head, tail, base = meta
+        step, head, tail, base, floor = meta
         self._last = (snap, meta)
-        wi = snap[0] & 0xFFFFFFFF  # the low int32 of cell 0 (little-endian)
-        if wi >= 0x80000000:
-            wi -= 1 << 32
-        for cell, g in self._enable_cells:
-            if not snap[cell] & 0xFFFFFFFF and (head or tail or base.any()):
+        for k, g in enumerate(self.groups):
+            if not snap[self.layout.plan(k) + 1] & abi.INT32_MASK and (head or tail or base.any()):
                 self._skipped += 1
-                warnings.warn(f"kv-canary: step {step}: the {g} verify was skipped because the batch has "
-                              f"more cached entries than verify_capacity ({self.plans[g].verify_capacity}); "
-                              f"fix: raise verify_capacity", RuntimeWarning, stacklevel=3)
-        stop = min(max(wi, 0), self.ring_capacity)
-        if stop > self._seen_rows or wi > self.ring_capacity:
-            rows = self.pump.read_ring(self._seen_rows, stop)
-            readout = decode_ring(rows, stop - self._seen_rows)
-            self._seen_rows = stop
-            self.reporter.violations(readout.violations, step, max(0, wi - self.ring_capacity))
+                warnings.warn(f"kv-canary: step {step}: the {g} verify was skipped because the batch has more "
+                              f"cached entries than verify_capacity ({self.plans[g].verify_capacity}); fix: "
+                              f"raise verify_capacity", RuntimeWarning, stacklevel=3)
+        start, stop, lost = self.ledger.take(snap[abi.STATUS_CLAIM], floor)
+        if stop > start or lost:
+            rows = self.backend.read_rows(self._ring, start, stop)
+            self.reporter.violations(decode_ring(rows, len(rows)).violations, step, lost, self.ledger.lost)
         if self.stats_every or self.reporter.wants_stats:
             emit = bool(self.stats_every) and step % self.stats_every == 0
-            self.reporter.stats(self.stats(self._runs(snap), wi, step), emit)
+            self.reporter.stats(self._stats(snap, step), emit)
 
     def _runs(self, snap) -> np.ndarray:
         """(kernel runs, slot runs) per context of a snapshot, int64 [contexts, 2]."""
-        n = len(self._names)
-        return np.array(snap[1:1 + 2 * n], np.int64).reshape(n, 2)
+        return np.array(snap[self.layout.runs(0):self.layout.runs(len(self.keys))], np.int64).reshape(-1, 2)
 
-    def stats(self, runs=None, wi=None, step=None) -> dict:
-        if runs is None:
-            runs = self._runs(self._last[0]) if self._last else np.zeros((len(self._names), 2), np.int64)
-        return {"step": self.step if step is None else step,
-                "protected_tokens": int(runs[self._tail_writes, 1].sum()),
-                "verified_slots": int(runs[self._verifies, 1].sum()),
-                "violations": self.reporter.reported if wi is None else int(wi),
-                "skipped_verifies": self._skipped}
+    def _stats(self, snap, step) -> dict:
+        runs = self._runs(snap)
+        return {"step": step, "protected_tokens": int(runs[self._tokens_ctx, 1]),
+                "verified_slots": int(runs[self._verifies, 1].sum()), "violations": int(snap[abi.STATUS_CLAIM]),
+                "violations_recorded": self.ledger.recorded, "ring_overflow": self.ledger.lost,
+                "skipped_verifies": self._skipped, "unattributed": int(snap[abi.STATUS_SKIPS]),
+                "export_errors": self.reporter.export.errors, "steps_behind": self.pump.in_flight,
+                "snapshots_skipped": self.pump.skipped}
+
+    def stats(self) -> dict:
+        """Counters as of the newest processed snapshot (README: what each key means)."""
+        with self._lock:
+            snap = self._last[0] if self._last else [0] * self.layout.size
+            return self._stats(snap, self.step)
 
     def add_listener(self, callback) -> None:
         """Call ``callback(record)`` with every record the export target gets: one dict per
         violation (``type="violation"``, the fields of SPEC §10 plus ``step``) and one per
-        reported step (``type="stats"``, the keys of :meth:`stats`). Metrics exporters and the
-        tensor-parallel aggregator subscribe here; no listener costs nothing."""
-        self.reporter.listeners.append(callback)
+        reported step (``type="stats"``, the keys of :meth:`stats`). A listener that raises is
+        logged once and counted in ``export_errors``; no listener costs nothing."""
+        if not callable(callback):
+            raise ValidationError(f"kv-canary: add_listener needs a callable, got {type(callback).__name__}. "
+                                  f"Fix: pass a function taking one dict")
+        with self._lock:
+            self.reporter.listeners.append(callback)
 
     def health_check(self) -> None:
-        """Raise if a launch that should have run has not advanced its kernel_run_counter (as of
-        the newest completed snapshot)."""
-        if self._last is None:
-            return
-        runs, expected = self._runs(self._last[0]), self._expected_at(self._last[1])
-        lagging = [f"{st}_{h}_{g} {op}: ran {runs[i, 0]} of {expected[i]}"
-                   for i, (st, g, h, op) in enumerate(self._names) if runs[i, 0] < expected[i]]
-        if lagging:
-            raise KvCanaryError("kv-canary: health check failed, expected every enqueued canary launch "
-                                "to have run, got: " + "; ".join(lagging) + ". Fix: make sure the canary "
-                                "launches are on the stream (or in the CUDA graph) that is replayed")
+        """Raise if a launch that should have run has not advanced its kernel_run_counter, or if
+        the kernels skipped verify entries whose batch disagreed with its plan (as of the newest
+        processed snapshot)."""
+        with self._lock:
+            if self._last is None:
+                return
+            snap, meta = self._last
+            runs, expected = self._runs(snap), meta[3] + meta[1] * self._masks[0] + meta[2] * self._masks[1]
+            bad = [f"{k.stage}_{k.half}_{k.group} {k.op}: ran {runs[i, 0]} of {expected[i]}"
+                   for i, k in enumerate(self.keys) if runs[i, 0] < expected[i]]
+            if snap[abi.STATUS_SKIPS]:
+                bad.append(f"{snap[abi.STATUS_SKIPS]} verify entries skipped because a launch's batch disagreed "
+                           f"with the plan built at HEAD (BATCH_INDEX_OUT_OF_RANGE rows say which requests)")
+            if bad:
+                raise KvCanaryError("kv-canary: health check failed, expected every enqueued canary launch to have "
+                                    "run on the batch its plan was built from, got: " + "; ".join(bad) + ". Fix: "
+                                    "keep the canary launches on the stream (or in the CUDA graph) that is replayed, "
+                                    "and pass the same batch to before_forward and after_forward")
 
     def buffers(self) -> dict[tuple[str, str, str], np.ndarray]:
         """Host copies of the canary buffers by (HEAD/TAIL, group, half). Synchronises (debugging
         and tests, not the serving loop)."""
         out = {}
-        for (st, g, h, op), ctx in self.ctx.items():
-            if op == "write":
+        for k, ctx in self.ctx.items():
+            if k.op == "write":
                 arr = ctx.buffer.array
-                out[st, g, h] = np.array(arr) if isinstance(arr, np.ndarray) else arr.numpy()
+                out[k.stage, k.group, k.half] = np.array(arr) if isinstance(arr, np.ndarray) else arr.numpy()
         return out
 
-    def record_replay(self, stages=("HEAD", "TAIL")) -> None:
+    def record_replay(self, stages=STAGES) -> None:
         """Tell the health check that a captured graph holding these stages was replayed (a
         capture itself counts nothing)."""
-        self._count([i for i, nm in enumerate(self._names) if nm[0] in stages])
+        with self._lock:
+            self._count([i for i, k in enumerate(self.keys) if k.stage in stages])

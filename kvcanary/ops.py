@@ -1,48 +1,28 @@
 """Public canary operations: validate on the host, then run the CPU reference (host arrays) or
-launch the CUDA kernel (device arrays). The only module that wires validation -> params -> launch.
+pack a CUDA launch (device arrays). The only module that wires validation -> params -> launch.
 
-Every op runs the same host validation on either backend and never synchronises on the device
-path. Launches go on ``stream`` or the default of :mod:`kvcanary.streams`.
+Every op runs the same host validation on either backend; host arrays are also checked value by
+value (a bad batch is rejected before anything runs), device arrays never are (no host reads):
+the kernels check every index they read and report what is out of range. Nothing here
+synchronises on the device path. Launches go on ``stream`` or the default of
+:mod:`kvcanary.streams`. A packed :class:`Launch` keeps the canary's own state alive, not the
+batch's arrays: replay it only while the arrays it was packed from (or others at the same
+addresses, shapes and strides) are alive.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-import ctypes
-
-from . import abi, reference, streams
+from . import abi, reference, reference_plan, streams
+from .driver import Launch
 from .errors import ValidationError
-from .plan import Batch, StepPlan
-from .state import VerifyContext, checked, same_device
+from .plan import Batch, StepPlan, check_batch_values
+from .state import VerifyContext, ViolationSink, checked, same_device
+from .validate import boolean
 
 BLOCK = abi.BLOCK_THREADS
-_PREPARE_BLOCK = abi.PREPARE_THREADS
-WIDE_HASH_BYTES = 64  # a source fingerprinting this many bytes per slot selects the *_wide verifies
-_VERIFY_TILE = 32 * abi.VERIFY_LANE_ENTRIES - 1  # entries a warp tile of the narrow verifies checks
-_WIDE_BLOCK = abi.WIDE_VERIFY_THREADS
-
-
-class Launch:
-    """A validated, packed kernel launch: replaying it costs one cuLaunchKernel.
-
-    Holds the params struct and its pointer array, so both outlive every launch of it. Pointers
-    inside are fixed: replay only while the arrays it was built from are alive and unchanged.
-    ``go(stream)`` is the bound launch (``DeviceRuntime.launcher``): hot loops call it directly.
-    Fields of ``params`` may be changed between launches (cuLaunchKernel copies the struct).
-    """
-
-    __slots__ = ("rt", "name", "grid", "block", "params", "_ptrs", "address", "stream", "keep", "go")
-
-    def __init__(self, rt, name: str, grid: int, block: int, params, stream: int, keep=()):
-        self.rt, self.name, self.grid, self.block, self.params, self.stream = rt, name, grid, block, params, stream
-        self._ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(params))
-        self.address = ctypes.addressof(self._ptrs)
-        self.keep = keep  # the objects owning every pointer in params stay alive with the launch
-        self.go = rt.launcher(name, grid, block, self.address)
-
-    def __call__(self, stream: int | None = None) -> None:
-        self.go(self.stream if stream is None else stream)
+_NARROW_TILE = abi.VERIFY_LANE_ENTRIES * abi.BLOCK_THREADS  # entries of a narrow verify block tile
 
 
 def _ref_sources(ctx: VerifyContext) -> list[reference.RefSource]:
@@ -50,39 +30,20 @@ def _ref_sources(ctx: VerifyContext) -> list[reference.RefSource]:
             for m in ctx.marshalled]
 
 
-def _ref_sink(ctx: VerifyContext) -> dict:
+def _ref_sink(sink: ViolationSink) -> dict:
+    return dict(ring=sink.ring_view.host, write_index=sink.write_index_view.host,
+                claim=None if sink.claim_view is None else sink.claim_view.host,
+                consumed=None if sink.consumed_view is None else sink.consumed_view.host)
+
+
+def _ref_counters(ctx: VerifyContext) -> dict:
     s = ctx.sink
-    return dict(ring=s.ring_view.host, write_index=s.write_index_view.host,
-                kernel_run_counter=s.kernel_run_view.host, slot_run_counter=s.slot_run_view.host)
+    return dict(kernel_run_counter=s.kernel_run_view.host, slot_run_counter=s.slot_run_view.host, **_ref_sink(s))
 
 
-def _grid(rt, work_items: int, per_block: int = BLOCK) -> int:
-    return max(1, min(rt.sm_count * (2048 // BLOCK), -(-work_items // per_block)))
-
-
-def request_major(batch_size: int, hash_bytes: tuple[int, ...]) -> bool:
-    """Whether a fused verify of ``batch_size`` requests whose sources fingerprint ``hash_bytes``
-    each runs request-major tasks (kvc_fused_verify_rm)."""
-    return abi.RM_MIN_BATCH <= batch_size <= abi.RM_MAX_BATCH and all(h < WIDE_HASH_BYTES for h in hash_bytes)
-
-
-def _verify_kernel(name: str, rt, p, capacity: int, hash_bytes: tuple[int, ...]) -> tuple[str, int, int]:
-    """(kernel, grid, block) of a verify launch: the warp-cooperative variant when a source
-    fingerprints long strips; else, for a fused verify of 32..1024 requests, request-major
-    tiles; and enough blocks for every warp tile of a full plan (at most 16 blocks of 256
-    threads per SM)."""
-    wide = any(h >= WIDE_HASH_BYTES for h in hash_bytes)
-    block = _WIDE_BLOCK if wide else BLOCK
-    per_block = (31 if wide else _VERIFY_TILE) * (block // 32)
-    most = rt.sm_count * 16 * BLOCK // block
-    if wide:
-        name = f"{name}_wide"
-    elif name == "kvc_fused_verify" and request_major(p.batch_size, hash_bytes):
-        # one resident wave: each block stages the batch once, its warps take tasks grid-stride
-        name, per_block = "kvc_fused_verify_rm", 32 * abi.RM_CHUNKS * abi.VERIFY_LANE_ENTRIES * (block // 32)
-        most = rt.sm_count * abi.RM_MIN_BLOCKS
-    grid = max(1, min(most, -(-capacity // per_block)))
-    return name, grid, block
+def _report(sink: ViolationSink):
+    """Host rows -> the sink's ring, as kvc_record appends them."""
+    return lambda rows: reference.ring_append(**_ref_sink(sink), rows=rows)
 
 
 def _runtime(device: int):
@@ -90,11 +51,24 @@ def _runtime(device: int):
     return driver.runtime(device)
 
 
+def _verify_shape(rt, name: str, capacity: int, hash_bytes: tuple[int, ...]) -> tuple[str, int, int]:
+    """(kernel, grid, block) of a verify launch: the warp-cooperative *_wide variant when a source
+    fingerprints KVC_WIDE_HASH_BYTES or more, and at most one resident wave of blocks (the
+    driver's occupancy for the kernel), never more blocks than the plan capacity has tiles."""
+    wide = any(h >= abi.WIDE_HASH_BYTES for h in hash_bytes)
+    if wide:
+        name, block, tile = f"{name}_wide", abi.WIDE_VERIFY_THREADS, abi.WIDE_VERIFY_THREADS
+    else:
+        block, tile = BLOCK, _NARROW_TILE
+    return name, max(1, min(rt.resident_blocks(name, block), -(-capacity // tile))), block
+
+
 def _check_plan_device(ctx: VerifyContext, plan: StepPlan) -> None:
     if plan.device != ctx.device:
         where = lambda d: "host" if d is None else f"cuda:{d}"  # noqa: E731
-        raise ValidationError(f"kv-canary: the plan lives on {where(plan.device)} but the canary "
-                              f"context on {where(ctx.device)}; fix: allocate both on one device")
+        raise ValidationError(f"kv-canary: the plan must live on the canary context's device "
+                              f"({where(ctx.device)}), got a plan on {where(plan.device)}. Fix: "
+                              f"allocate both on one device")
 
 
 # ---- verify --------------------------------------------------------------------------------------
@@ -109,28 +83,26 @@ def prepare_verify(ctx: VerifyContext, plan: StepPlan, *, check_expected_token: 
                    stream=None) -> Launch | None:
     """:func:`verify` validated and packed; host arrays run on the reference now (returns None)."""
     _check_plan_device(ctx, plan)
+    check = boolean("check_expected_token", check_expected_token)
     if not plan.materialized:
-        raise ValidationError("kv-canary: verify() needs a materialised plan; fix: "
-                              "StepPlan.allocate(..., materialize=True), or use fused_verify()")
-    arrays = dict(slot=plan.slot, expected_token=plan.expected_token,
-                  expected_position=plan.expected_position, prev_slot=plan.prev_slot)
-    views = {k: checked(a, f"plan.{k}", dtype=np.int64, shape=(plan.verify_capacity,), ndim=1)
-             for k, a in arrays.items()}
-    num_valid = checked(plan.num_valid, "plan.num_valid", dtype=np.int32, shape=(1,), ndim=1)
-    enable = checked(plan.enable, "plan.enable", dtype=np.int32, shape=(1,), ndim=1)
+        raise ValidationError("kv-canary: verify() needs a materialised plan, got one without "
+                              "entry arrays. Fix: StepPlan.allocate(..., materialize=True), or use "
+                              "fused_verify()")
+    views = plan.entry_views()
+    num_valid, enable = plan.flag_views()
     if ctx.device is None:
         reference.verify(canary=ctx.buffer.view.host, **{k: v.host for k, v in views.items()},
                          num_valid=num_valid.host, enable=enable.host, sources=_ref_sources(ctx),
-                         tag=int(ctx.tag), check_expected_token=check_expected_token, **_ref_sink(ctx))
-        return
+                         tag=int(ctx.tag), check_expected_token=check, **_ref_counters(ctx))
+        return None
     p = ctx.params(abi.VerifyParams)
     p.plan_slot, p.plan_expected_token = views["slot"].ptr, views["expected_token"].ptr
     p.plan_expected_position, p.plan_prev_slot = views["expected_position"].ptr, views["prev_slot"].ptr
     p.plan_num_valid, p.plan_enable = num_valid.ptr, enable.ptr
-    p.plan_capacity, p.check_expected_token = plan.verify_capacity, int(bool(check_expected_token))
+    p.plan_capacity, p.check_expected_token = plan.verify_capacity, int(check)
     rt = _runtime(ctx.device)
     s = streams.resolve(stream, (ctx.buffer.array, plan.slot), views.values(), ctx.device)
-    name, grid, block = _verify_kernel("kvc_verify", rt, p, plan.verify_capacity, ctx.hash_bytes)
+    name, grid, block = _verify_shape(rt, "kvc_verify", plan.verify_capacity, ctx.hash_bytes)
     return Launch(rt, name, grid, block, p, s, (ctx, plan))
 
 
@@ -153,18 +125,17 @@ def prepare_write(ctx: VerifyContext, plan: StepPlan, input_ids, positions, out_
     pos = checked(positions, "positions", dtype=np.int64, shape=(T,), ndim=1)
     loc = checked(out_cache_loc, "out_cache_loc", dtype=np.int64, shape=(T,), ndim=1)
     if (expected_input_ids is None) != (expected_positions is None):
-        raise ValidationError("kv-canary: expected_input_ids and expected_positions go together; "
-                              "got only one of them. Fix: pass both or neither")
+        raise ValidationError("kv-canary: expected_input_ids and expected_positions go together, got "
+                              "only one of them. Fix: pass both or neither")
     exp_tok = exp_pos = None
     if expected_input_ids is not None:
         exp_tok = checked(expected_input_ids, "expected_input_ids", dtype=np.int64, shape=(T,), ndim=1)
         exp_pos = checked(expected_positions, "expected_positions", dtype=np.int64, shape=(T,), ndim=1)
-    offsets = checked(plan.offsets, "plan.offsets", dtype=np.int64, shape=(plan.max_batch + 1,), ndim=1)
-    seed = checked(plan.seed, "plan.seed", dtype=np.int64, shape=(plan.max_batch,), ndim=1)
-    nreq = checked(plan.num_valid_reqs, "plan.num_valid_reqs", dtype=np.int32, shape=(1,), ndim=1)
+    offsets, seed, nreq = plan.write_views()
     views = (tok, pos, loc, exp_tok, exp_pos, offsets, seed, nreq)
     if same_device(views, "write()") != ctx.device:
-        raise ValidationError("kv-canary: write() arrays must live on the canary buffer's device")
+        raise ValidationError("kv-canary: write() arrays must live on the canary buffer's device, got "
+                              "them elsewhere. Fix: move them to the canary buffer's device")
     if ctx.device is None:
         reference.write(canary=ctx.buffer.view.host, offsets=offsets.host, seed=seed.host,
                         num_valid_reqs=nreq.host, input_ids=tok.host, positions=pos.host,
@@ -172,8 +143,8 @@ def prepare_write(ctx: VerifyContext, plan: StepPlan, input_ids, positions, out_
                         expected_input_ids=None if exp_tok is None else exp_tok.host,
                         expected_positions=None if exp_pos is None else exp_pos.host,
                         chain_position_assert=ctx.flag_view.host, sources=_ref_sources(ctx),
-                        tag=int(ctx.tag), **_ref_sink(ctx))
-        return
+                        tag=int(ctx.tag), **_ref_counters(ctx))
+        return None
     p = ctx.params(abi.WriteParams)
     p.offsets, p.seed, p.num_valid_reqs, p.req_capacity = offsets.ptr, seed.ptr, nreq.ptr, plan.max_batch
     p.input_ids, p.positions, p.out_cache_loc, p.num_tokens = tok.ptr, pos.ptr, loc.ptr, T
@@ -182,8 +153,8 @@ def prepare_write(ctx: VerifyContext, plan: StepPlan, input_ids, positions, out_
     p.chain_position_assert = ctx.flag_view.ptr
     rt = _runtime(ctx.device)
     s = streams.resolve(stream, (input_ids, ctx.buffer.array), views, ctx.device)
-    return Launch(rt, "kvc_write", _grid(rt, plan.max_batch, 1), BLOCK, p, s,  # a block per request
-                  (ctx, plan, input_ids, positions, out_cache_loc, expected_input_ids, expected_positions))
+    grid = max(1, min(rt.resident_blocks("kvc_write", BLOCK), plan.max_batch))  # a block per request
+    return Launch(rt, "kvc_write", grid, BLOCK, p, s, (ctx, plan))
 
 
 # ---- plan builder and fused verify -------------------------------------------------------------------
@@ -193,85 +164,91 @@ def _fill_batch(p, v: dict, batch: Batch, plan: StepPlan, swa_window: int, swa_m
     rtt = v["req_to_token"]
     p.req_to_token, p.rtt_rows, p.rtt_max_len = rtt.ptr, rtt.shape[0], rtt.shape[1]
     p.rtt_row_stride = rtt.strides[0] // 4
-    p.swa_window = int(swa_window)
-    if swa_map is not None:
-        m = checked(swa_map, "swa_map", dtype=np.int64, ndim=1)
-        p.swa_map, p.swa_map_len = m.ptr, m.shape[0]
+    p.swa_window = swa_window
+    if "swa_map" in v:
+        p.swa_map, p.swa_map_len = v["swa_map"].ptr, v["swa_map"].shape[0]
     if "expected_pool" in v:
         pool = v["expected_pool"]
         p.expected_pool, p.expected_pool_len = pool.ptr, pool.shape[1]
         p.expected_row_stride = pool.strides[0] // 8
         p.expected_valid_lens = v["expected_valid_lens"].ptr if "expected_valid_lens" in v else 0
-        p.expected_token_offset = int(batch.expected_token_offset)
-    p.entry_offsets = checked(plan.entry_offsets, "plan.entry_offsets", dtype=np.int64, ndim=1).ptr
-    p.verify_num_valid = checked(plan.num_valid, "plan.num_valid", dtype=np.int32, shape=(1,), ndim=1).ptr
-    p.verify_enable = checked(plan.enable, "plan.enable", dtype=np.int32, shape=(1,), ndim=1).ptr
-    p.verify_capacity = plan.verify_capacity
+        p.expected_token_offset = batch.expected_token_offset
+    p.entry_offsets = plan.entry_offsets_view().ptr
+    num_valid, enable = plan.flag_views()
+    p.verify_num_valid, p.verify_enable, p.verify_capacity = num_valid.ptr, enable.ptr, plan.verify_capacity
 
 
-def _batch_views(batch: Batch, plan: StepPlan, swa_window: int, swa_map) -> dict:
-    v = batch.views()
+def _batch_views(batch: Batch, plan: StepPlan, swa_window, swa_map) -> tuple[dict, int]:
+    """The batch's views checked against the plan (and, for host arrays, value by value)."""
+    v = batch.views(swa_map=swa_map)
+    window = batch.check_window(swa_window)
     bs = v["req_pool_indices"].shape[0]
     if bs > plan.max_batch:
-        raise ValidationError(f"kv-canary: batch size {bs} exceeds the plan's max_batch "
-                              f"{plan.max_batch}; fix: StepPlan.allocate(max_batch>={bs}, ...)")
-    if swa_window < 0:
-        raise ValidationError(f"kv-canary: swa_window must be >= 0 (0 = no window), got {swa_window}")
-    if "expected_pool" in v and v["expected_pool"].shape[0] < v["req_to_token"].shape[0]:
-        raise ValidationError(f"kv-canary: batch.expected_pool must have a row per request-pool row "
-                              f"({v['req_to_token'].shape[0]}, like req_to_token), got "
-                              f"{v['expected_pool'].shape[0]} rows")
+        raise ValidationError(f"kv-canary: batch size must be <= the plan's max_batch "
+                              f"({plan.max_batch}), got {bs}. Fix: StepPlan.allocate(max_batch>={bs}, ...)")
     if same_device(list(v.values()), "a Batch") != plan.device:
-        raise ValidationError("kv-canary: the batch arrays must live on the plan's device")
-    return v
+        raise ValidationError("kv-canary: the batch arrays must live on the plan's device, got them "
+                              "elsewhere. Fix: allocate the plan on the batch's device")
+    if plan.device is None:
+        check_batch_values(v, batch, swa=swa_map is not None)
+    return v, window
 
 
-def build_plan(batch: Batch, plan: StepPlan, *, swa_window: int = 0, swa_map=None, stream=None) -> None:
+def build_plan(batch: Batch, plan: StepPlan, *, swa_window: int = 0, swa_map=None, ctx: VerifyContext | None = None,
+               stream=None) -> None:
     """Fill ``plan`` from ``batch`` (SPEC §8): WritePlan, entry offsets, overflow rule, and the
-    per-entry VerifyPlan when the plan is materialised."""
-    for launch in prepare_build_plan(batch, plan, swa_window=swa_window, swa_map=swa_map, stream=stream):
+    per-entry VerifyPlan when the plan is materialised. Batch values the device finds out of range
+    are reported through ``ctx``'s sink (tag ``ctx.tag``), else through ``plan.reject_sink``."""
+    for launch in prepare_build_plan(batch, plan, swa_window=swa_window, swa_map=swa_map, ctx=ctx, stream=stream):
         launch()
 
 
 def prepare_build_plan(batch: Batch, plan: StepPlan, *, swa_window: int = 0, swa_map=None,
-                       stream=None) -> list[Launch]:
+                       ctx: VerifyContext | None = None, stream=None) -> list[Launch]:
     """:func:`build_plan` validated and packed (one or two launches); host arrays run now."""
-    v = _batch_views(batch, plan, swa_window, swa_map)
+    if ctx is not None:
+        _check_plan_device(ctx, plan)
+    v, window = _batch_views(batch, plan, swa_window, swa_map)
+    sink, tag = (ctx.sink, ctx.tag) if ctx is not None else (plan.reject_sink, abi.LaunchTag.HEAD_K_FULL)
+    loc = v.get("swa_out_cache_loc" if swa_map is not None else "out_cache_loc")
     if plan.device is None:
-        h = lambda a: None if a is None else np.asarray(a)  # noqa: E731
-        vp = reference.VerifyPlanArrays(plan.slot, plan.expected_token, plan.expected_position,
-                                        plan.prev_slot, plan.num_valid, plan.enable)
-        wp = reference.WritePlanArrays(plan.offsets, plan.seed, plan.num_valid_reqs)
-        reference.fill_plan(verify=vp, write=wp, req_pool_indices=v["req_pool_indices"].host,
-                            prefix_lens=v["prefix_lens"].host, extend_lens=v["extend_lens"].host,
-                            req_to_token=v["req_to_token"].host, swa_window=swa_window,
-                            swa_map=h(swa_map), expected_pool=h(batch.expected_pool),
-                            expected_valid_lens=h(batch.expected_valid_lens),
-                            expected_token_offset=batch.expected_token_offset)
+        h = lambda k: v[k].host if k in v else None  # noqa: E731
+        reference_plan.fill_plan(
+            verify=reference_plan.VerifyPlanArrays(plan.slot, plan.expected_token, plan.expected_position,
+                                                   plan.prev_slot, plan.num_valid, plan.enable),
+            write=reference_plan.WritePlanArrays(plan.offsets, plan.seed, plan.num_valid_reqs),
+            req_pool_indices=h("req_pool_indices"), prefix_lens=h("prefix_lens"), extend_lens=h("extend_lens"),
+            req_to_token=h("req_to_token"), swa_window=window, swa_map=h("swa_map"),
+            expected_pool=h("expected_pool"), expected_valid_lens=h("expected_valid_lens"),
+            expected_token_offset=batch.expected_token_offset, entry_offsets=plan.entry_offsets,
+            out_cache_loc=None if loc is None else loc.host, report=_report(sink), tag=int(tag))
         return []
     rt = _runtime(plan.device)
     s = streams.resolve(stream, (batch.req_pool_indices,), v.values(), plan.device)
-    p = abi.PrepareParams()
-    _fill_batch(p, v, batch, plan, swa_window, swa_map)
-    p.write_offsets = checked(plan.offsets, "plan.offsets", dtype=np.int64, ndim=1).ptr
-    p.write_seed = checked(plan.seed, "plan.seed", dtype=np.int64, ndim=1).ptr
-    p.write_num_valid_reqs = checked(plan.num_valid_reqs, "plan.num_valid_reqs", dtype=np.int32, ndim=1).ptr
+    p = sink.params(abi.PrepareParams, tag)
+    _fill_batch(p, v, batch, plan, window, swa_map)
+    offsets, seed, nreq = plan.write_views()
+    p.write_offsets, p.write_seed, p.write_num_valid_reqs = offsets.ptr, seed.ptr, nreq.ptr
     p.write_req_capacity = plan.max_batch
-    launches = [Launch(rt, "kvc_prepare", 1, _PREPARE_BLOCK, p, s, (batch, plan, swa_map))]
+    if loc is not None:
+        p.out_cache_loc, p.num_tokens = loc.ptr, loc.shape[0]
+    launches = [Launch(rt, "kvc_prepare", 1, abi.PREPARE_THREADS, p, s, (plan, swa_map, sink))]
     if plan.materialized:
         e = abi.ExpandParams()
-        _fill_batch(e, v, batch, plan, swa_window, swa_map)
-        e.plan_slot, e.plan_expected_token, e.plan_expected_position, e.plan_prev_slot = (
-            checked(a, "plan entries", dtype=np.int64, ndim=1).ptr
-            for a in (plan.slot, plan.expected_token, plan.expected_position, plan.prev_slot))
-        launches.append(Launch(rt, "kvc_expand", _grid(rt, plan.verify_capacity), BLOCK, e, s, (batch, plan, swa_map)))
+        _fill_batch(e, v, batch, plan, window, swa_map)
+        entry = plan.entry_views()
+        e.plan_slot, e.plan_expected_token = entry["slot"].ptr, entry["expected_token"].ptr
+        e.plan_expected_position, e.plan_prev_slot = entry["expected_position"].ptr, entry["prev_slot"].ptr
+        grid = max(1, min(rt.resident_blocks("kvc_expand", BLOCK), -(-plan.verify_capacity // BLOCK)))
+        launches.append(Launch(rt, "kvc_expand", grid, BLOCK, e, s, (plan, swa_map)))
     return launches
 
 
 def fused_verify(ctx: VerifyContext, batch: Batch, plan: StepPlan, *, swa_window: int = 0,
                  swa_map=None, check_expected_token: bool = False, stream=None) -> None:
     """Verify the batch's cached prefixes straight from ``req_to_token`` (after :func:`build_plan`
-    filled ``plan``'s entry offsets); same rows and counters as build_plan + verify."""
+    filled ``plan``'s entry offsets); same rows and counters as build_plan + verify when the batch
+    is the one the plan was built from, and a BATCH row per request where it is not."""
     launch = prepare_fused_verify(ctx, batch, plan, swa_window=swa_window, swa_map=swa_map,
                                   check_expected_token=check_expected_token, stream=stream)
     if launch is not None:
@@ -282,13 +259,30 @@ def prepare_fused_verify(ctx: VerifyContext, batch: Batch, plan: StepPlan, *, sw
                          swa_map=None, check_expected_token: bool = False, stream=None) -> Launch | None:
     """:func:`fused_verify` validated and packed; host arrays run on the reference now."""
     _check_plan_device(ctx, plan)
-    if ctx.device is None:  # the reference has one definition: the materialised plan
-        return prepare_verify(ctx, plan, check_expected_token=check_expected_token)
-    v = _batch_views(batch, plan, swa_window, swa_map)
+    check = boolean("check_expected_token", check_expected_token)
+    v, window = _batch_views(batch, plan, swa_window, swa_map)
+    if ctx.device is None:
+        h = lambda k: v[k].host if k in v else None  # noqa: E731
+        rtt = h("req_to_token")
+        q = reference_plan.requests(h("req_pool_indices"), h("prefix_lens"), h("extend_lens"), rtt.shape, window)
+        num_valid, enable = plan.flag_views()
+        rows, active, skipped = reference_plan.fused_verify_rows(
+            canary=ctx.buffer.view.host, q=q, entry_offsets=plan.entry_offsets, num_valid=num_valid.host,
+            enable=enable.host, capacity=plan.verify_capacity, req_to_token=rtt, sources=_ref_sources(ctx),
+            tag=int(ctx.tag), check_expected_token=check, swa_map=h("swa_map"), expected_pool=h("expected_pool"),
+            expected_valid_lens=h("expected_valid_lens"), expected_token_offset=batch.expected_token_offset)
+        s = ctx.sink
+        s.kernel_run_view.host[0] += 1
+        if active >= 0:
+            s.slot_run_view.host[0] += active
+            if skipped and s.skips_view is not None:
+                s.skips_view.host[0] += skipped
+            _report(s)(rows)
+        return None
     p = ctx.params(abi.FusedVerifyParams)
-    _fill_batch(p, v, batch, plan, swa_window, swa_map)
-    p.check_expected_token = int(bool(check_expected_token))
+    _fill_batch(p, v, batch, plan, window, swa_map)
+    p.check_expected_token = int(check)
     rt = _runtime(ctx.device)
     s = streams.resolve(stream, (batch.req_pool_indices, ctx.buffer.array), v.values(), ctx.device)
-    name, grid, block = _verify_kernel("kvc_fused_verify", rt, p, plan.verify_capacity, ctx.hash_bytes)
-    return Launch(rt, name, grid, block, p, s, (ctx, batch, plan, swa_map))
+    name, grid, block = _verify_shape(rt, "kvc_fused_verify", plan.verify_capacity, ctx.hash_bytes)
+    return Launch(rt, name, grid, block, p, s, (ctx, plan, swa_map))

@@ -5,8 +5,8 @@ step's launches, copies a small status block (ring write index, per-launch count
 into a slot of pinned host memory mapped for the device, then writes the slot's completion word.
 The host reads completion words with plain memory loads (no driver call, no event) and takes the
 finished snapshots in FIFO order. Only when a snapshot shows new violations is the ring read back
-(a copy on a stream of its own, which waits for nothing else). On the CPU backend the status is
-read directly.
+(a copy on a stream of its own, which waits for nothing else). The host backend needs no pump
+(backends.HostPump reads the status directly).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from collections import deque
 import numpy as np
 
 from . import abi
-from .arrays import from_pointer
 
 DEPTH = 8
 _SNAPSHOT_BLOCK = 128
@@ -26,20 +25,6 @@ _SNAPSHOT_BLOCK = 128
 # ordered hosts (aarch64) pass a lock between the two reads as a best-effort load barrier.
 _ORDERED_LOADS = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 _barrier = threading.Lock()
-
-
-def int64_slice(status, start: int, n: int, device: int | None):
-    """``status[start:start+n]`` of an int64 block, host or device, without copying."""
-    if device is None:
-        return status[start:start + n]
-    return from_pointer(status.ptr + 8 * start, (n,), np.int64, device=device, owner=status)
-
-
-def int32_at(status, index: int, device: int | None):
-    """The low int32 of ``status[index]`` as an int32 ``[1]`` array (little-endian)."""
-    if device is None:
-        return status[index:index + 1].view(np.int32)[:1]
-    return from_pointer(status.ptr + 8 * index, (1,), np.int32, device=device, owner=status)
 
 
 class SnapshotFifo:
@@ -105,59 +90,55 @@ class SnapshotFifo:
 
 
 class Pump:
-    """Snapshots ``status`` (int64 ``[n]``) into a FIFO of ``DEPTH`` pinned slots; hands back
-    completed snapshots in order, so each violation is attributed to the first step whose
+    """Snapshots ``status`` (a device int64 ``[n]``) into a FIFO of ``DEPTH`` pinned slots; hands
+    back completed snapshots in order, so each violation is attributed to the first step whose
     snapshot shows it. When the device runs ``DEPTH`` steps behind, a new snapshot is skipped
     (the next covers it). ``launches`` counts the snapshot launches enqueued."""
 
     DEPTH = DEPTH
 
-    def __init__(self, status, ring, ring_capacity: int, device: int | None):
+    def __init__(self, status, ring, ring_capacity: int, device: int):
+        from . import driver, memory
         self.status, self.ring, self.capacity, self.device = status, ring, ring_capacity, device
-        self.n = len(status) if device is None else status.shape[0]
+        self.n = status.shape[0]
         self.launches = 0
-        self.fifo = None
-        if device is not None:
-            from . import driver, memory
-            from .ops import Launch
-            rt = driver.runtime(device)
-            self.pinned = memory.PinnedBuffer((self.DEPTH, self.n), np.int64, device, mapped=True)
-            self.done = memory.PinnedBuffer((self.DEPTH,), np.int64, device, mapped=True)
-            self.fifo = SnapshotFifo(self.pinned.array, self.done.array)
-            self.ring_pinned = memory.PinnedBuffer((ring_capacity, abi.RING_COLS), np.int64, device)
-            self.ring_side = memory.new_stream(device)  # idle but for ring reads: never waits on steps
-            block = min(_SNAPSHOT_BLOCK, 32 * -(-self.n // 32))
-            self.slot_launches = []  # one prepacked launch per slot; its ticket set per use
-            for slot in range(self.DEPTH):
-                p = abi.SnapshotParams()
-                p.status, p.n = status.ptr, self.n
-                p.payload = self.pinned.device_ptr + 8 * self.n * slot
-                p.done = self.done.device_ptr + 8 * slot
-                self.slot_launches.append(Launch(rt, "kvc_snapshot", 1, block, p, driver.PER_THREAD_STREAM,
-                                                 (status, self.pinned, self.done)))
+        rt = driver.runtime(device)
+        self.pinned = memory.PinnedBuffer((self.DEPTH, self.n), np.int64, device, mapped=True)
+        self.done = memory.PinnedBuffer((self.DEPTH,), np.int64, device, mapped=True)
+        self.fifo = SnapshotFifo(self.pinned.array, self.done.array)
+        self.ring_pinned = memory.PinnedBuffer((ring_capacity, abi.RING_COLS), np.int64, device)
+        self.ring_side = memory.new_stream(device)  # idle but for ring reads: never waits on steps
+        block = min(_SNAPSHOT_BLOCK, 32 * -(-self.n // 32))
+        self.slot_launches = []  # one prepacked launch per slot; its ticket set per use
+        for slot in range(self.DEPTH):
+            p = abi.SnapshotParams()
+            p.status, p.n = status.ptr, self.n
+            p.payload = self.pinned.device_ptr + 8 * self.n * slot
+            p.done = self.done.device_ptr + 8 * slot
+            self.slot_launches.append(driver.Launch(rt, "kvc_snapshot", 1, block, p, driver.PER_THREAD_STREAM,
+                                                    (status, self.pinned, self.done)))
 
     @property
     def skipped(self) -> int:
-        return 0 if self.fifo is None else self.fifo.skipped
+        return self.fifo.skipped
+
+    @property
+    def in_flight(self) -> int:
+        return self.fifo.in_flight
 
     def take(self, meta=None) -> list:
         """[(snapshot, its meta)] of every completed snapshot not yet taken, oldest first; never
-        waits. A snapshot is the status block as a list of ints. On the CPU backend the status is
-        current, and ``meta`` is passed through."""
-        if self.fifo is None:
-            return [(self.status.tolist(), meta)]
+        waits. A snapshot is the status block as a list of ints."""
         return self.fifo.take()
 
-    def snapshot(self, stream: int, meta=None) -> None:
+    def snapshot(self, stream: int, meta=None) -> bool:
         """Enqueue one ``kvc_snapshot`` launch on ``stream`` behind the work already there;
-        ``meta`` (host bookkeeping of that moment) comes back with it from :meth:`take`. Never
-        call it while ``stream`` is capturing a CUDA graph."""
+        ``meta`` (host bookkeeping of that moment) comes back with it from :meth:`take`. False
+        when skipped (every slot in flight). Never call it while ``stream`` is capturing."""
         fifo = self.fifo
-        if fifo is None:
-            return
         slot = fifo.claim(meta)
         if slot < 0:
-            return
+            return False
         launch = self.slot_launches[slot]
         launch.params.ticket = fifo.tickets[slot]
         try:
@@ -166,22 +147,19 @@ class Pump:
             fifo.unclaim(slot)
             raise
         self.launches += 1
+        return True
 
     def drain(self, meta=None) -> list:
         """Wait for the device (context synchronise) and take every snapshot (shutdown, tests)."""
-        if self.fifo is None:
-            return [(self.status.tolist(), meta)]
         from . import memory
         memory.context_synchronize(self.device)
         return self.fifo.take()
 
     def read_ring(self, start: int, stop: int) -> np.ndarray:
-        """Ring rows [start, stop) (already complete per a snapshot), as host numpy. Waits only
-        for this copy, on a stream of its own: not for the steps enqueued since."""
+        """Ring rows [start, stop) (complete per a snapshot), as host numpy. Waits only for this
+        copy, on a stream of its own: not for the steps enqueued since."""
         if stop <= start:
             return np.zeros((0, abi.RING_COLS), np.int64)
-        if self.device is None:
-            return np.array(self.ring[start:stop], copy=True)
         from . import memory
         row = 8 * abi.RING_COLS
         memory.copy_async(self.ring_pinned.ptr + start * row, self.ring.ptr + start * row,

@@ -13,14 +13,13 @@ This module imports only numpy and kvcanary; never CUDA.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
 import numpy as np
 
 from kvcanary.abi import (
-    FIELD_POSITION, FIELD_PREV_HASH, FIELD_REAL_KV_HASH, FIELD_TOKEN, FIELDS_PER_SLOT, RING_COLS,
-    FailReason,
+    CHAIN_HEAD, FIELD_POSITION, FIELD_PREV_HASH, FIELD_REAL_KV_HASH, FIELD_TOKEN, FIELDS_PER_SLOT,
+    NO_EXPECTED_TOKEN, PREV_ON_PADDING, RING_COLS, SEED_INVALID, BatchField, FailReason,
 )
 from kvcanary.hashing import ANCHOR_HASH, mix3, mix3_np, sm_np, to_i64
 
@@ -32,6 +31,7 @@ _TOKEN = int(FailReason.VERIFY_TOKEN_MISMATCH)
 _W_TOKEN = int(FailReason.WRITE_TOKEN_MISMATCH)
 _W_POSITION = int(FailReason.WRITE_POSITION_MISMATCH)
 _OOB = int(FailReason.SLOT_OUT_OF_RANGE)
+_PADDING = int(FailReason.PADDING_SLOT_READ)
 _GATHER_BYTES = 1 << 24  # bound on the temporary byte matrix of one fingerprint chunk
 
 
@@ -104,18 +104,30 @@ def _wrap_i32(x):
     return (np.asarray(x, dtype=np.int64) + (1 << 31)) % (1 << 32) - (1 << 31)
 
 
-def ring_append(ring: np.ndarray, write_index: np.ndarray, rows) -> None:
-    """Append rows in order with the fill-once protocol (SPEC §5).
+def ring_append(ring: np.ndarray, write_index: np.ndarray, rows, claim=None, consumed=None) -> None:
+    """Append rows in order (SPEC §5), as ``kvc_record`` does.
 
-    For each row: ``i = write_index[0]; write_index[0] += 1`` (int32 wraparound); the row is stored
-    only if ``0 <= i < len(ring)``. Rows that do not fit are counted, never stored.
+    Format v1 (``claim`` None): for each row ``i = write_index[0]; write_index[0] += 1`` (int32
+    wraparound), stored only if ``0 <= i < len(ring)`` (fill once). With an int64 ``[1]`` claim
+    counter (``write_index`` is then its low half and is not touched separately): row i is stored
+    at ``i % len(ring)`` iff ``0 <= i - consumed[0] < len(ring)`` (``consumed`` None: 0).
+    Rows that are not stored are counted, never stored over unread rows.
     """
     rows = np.asarray(rows, dtype=np.int64).reshape(-1, RING_COLS)
     if len(rows) == 0:
         return
+    cap = len(ring)
+    if claim is not None:
+        start = int(claim[0])
+        idx = start + np.arange(len(rows), dtype=np.int64)
+        seen = 0 if consumed is None else int(consumed[0])
+        keep = (idx - seen >= 0) & (idx - seen < cap)
+        ring[idx[keep] % cap] = rows[keep]
+        claim[0] = start + len(rows)
+        return
     start = int(write_index[0])
     idx = _wrap_i32(start + np.arange(len(rows), dtype=np.int64))
-    keep = (idx >= 0) & (idx < len(ring))
+    keep = (idx >= 0) & (idx < cap)
     ring[idx[keep]] = rows[keep]
     write_index[0] = int(_wrap_i32(start + len(rows)))
 
@@ -132,73 +144,79 @@ def _rows(tag, *cols) -> np.ndarray:
 # ---- verify (SPEC §6) --------------------------------------------------------------------------------
 def verify(*, canary, slot, expected_token, expected_position, prev_slot, num_valid, enable, ring,
            write_index, kernel_run_counter, slot_run_counter, sources: Sequence[RefSource], tag,
-           check_expected_token) -> None:
-    """One verify launch: check active plan entries, append a ring row per mismatching entry.
+           check_expected_token, claim=None, consumed=None) -> None:
+    """One verify launch over a materialised plan: check active entries, a ring row per mismatch.
 
     Effects: ``kernel_run_counter += 1`` always; if ``enable[0] != 0``, ``slot_run_counter +=
-    active`` (``active = clamp(num_valid[0], 0, len(slot))``, slot-0 entries included) and rows
-    for entries < active. Slot 0 is skipped. An out-of-range slot gives one SLOT_OUT_OF_RANGE row;
-    an out-of-range predecessor sets CHAIN | SLOT_OUT_OF_RANGE with expected chain 0. Entries past
-    ``active`` are never read. ``canary`` is never modified.
+    active`` (``active = clamp(num_valid[0], 0, len(slot))``, slot-0 entries included) and the rows
+    of :func:`check_entries` for entries < active. Entries past ``active`` are never read;
+    ``canary`` is never modified.
     """
     kernel_run_counter[0] += 1
     if int(enable[0]) == 0:
         return
     active = min(max(int(num_valid[0]), 0), len(slot))
     slot_run_counter[0] += active
+    rows = check_entries(canary, slot[:active], prev_slot[:active], expected_token[:active],
+                         expected_position[:active], sources, tag, check_expected_token)
+    ring_append(ring, write_index, rows, claim, consumed)
+
+
+def check_entries(canary, slot, prev_slot, expected_token, expected_position, sources: Sequence[RefSource],
+                  tag, check_expected_token) -> np.ndarray:
+    """The rows the checks of SPEC §6 step 3 give for plan entries, in entry order.
+
+    An entry on slot 0 gives a PADDING_SLOT_READ row, one on a slot outside the buffer a
+    SLOT_OUT_OF_RANGE row (slot, expected position, 0, -1, 0, 0). Predecessors: -1 is a chain
+    head (expects sm(ANCHOR)); 0 is not checked; PREV_ON_PADDING (a required predecessor on the
+    padding slot) is not checked and sets PADDING_SLOT_READ; any other value outside the buffer
+    sets CHAIN | SLOT_OUT_OF_RANGE with expected chain 0; else the chain is slot_hash(prev).
+    """
     words = _words(canary)
-    n = words.shape[0]
-    s = slot[:active]
-    p = prev_slot[:active]
+    n, active = words.shape[0], len(slot)
+    s, p = np.asarray(slot, np.int64), np.asarray(prev_slot, np.int64)
+    epos, et = np.asarray(expected_position, np.int64), np.asarray(expected_token, np.int64)
     in_range = (s > 0) & (s < n)
-    oob = (s < 0) | ((s >= n) & (s != 0))
-    rec = np.take(words, s if in_range.all() else np.where(in_range, s, 0), axis=0) if n else \
+    rec = np.take(words, np.where(in_range, s, 0), axis=0)[:, :FIELDS_PER_SLOT] if n else \
         np.zeros((active, FIELDS_PER_SLOT), np.int64)
     tok, pos = rec[:, FIELD_TOKEN], rec[:, FIELD_POSITION]
     prev, rkv = rec[:, FIELD_PREV_HASH], rec[:, FIELD_REAL_KV_HASH]
-
     p_in = (p > 0) & (p < n)
-    ph = _slot_hash_words(words, p if p_in.all() else np.where(p_in, p, 0)).view(np.int64) if n else \
-        np.zeros(active, np.int64)
-    expected_chain = np.where(p == 0, prev, np.where(p < 0, _ANCHOR_I64, np.where(p >= n, 0, ph)))
-    bits = np.where((p != 0) & (prev != expected_chain), _CHAIN, 0)
-    bits |= np.where(p >= n, _CHAIN | _OOB, 0)
-    bits |= np.where(pos != expected_position[:active], _POSITION, 0)
+    ph = _slot_hash_words(words, np.where(p_in, p, 0)).view(np.int64) if n else np.zeros(active, np.int64)
+    p_bad = ~p_in & (p != 0) & (p != CHAIN_HEAD) & (p != PREV_ON_PADDING)
+    unchecked = (p == 0) | (p == PREV_ON_PADDING)
+    expected_chain = np.where(unchecked, prev, np.where(p == CHAIN_HEAD, _ANCHOR_I64, np.where(p_bad, 0, ph)))
+    bits = np.where(prev != expected_chain, _CHAIN, 0)
+    bits |= np.where(p_bad, _CHAIN | _OOB, 0)
+    bits |= np.where(p == PREV_ON_PADDING, _PADDING, 0)
+    bits |= np.where(pos != epos, _POSITION, 0)
+    fp = np.zeros(active, dtype=np.int64)
+    idx = np.flatnonzero(in_range)
     if sources:
-        fp = np.zeros(active, dtype=np.int64)
-        idx = np.flatnonzero(in_range)
         fp[idx] = fingerprint(s[idx], sources).view(np.int64)
-        bits |= np.where(rkv != fp, _REAL_KV, 0)
-    else:
-        bits |= np.where(rkv != 0, _REAL_KV, 0)
-    et = expected_token[:active]
+    bits |= np.where(rkv != fp, _REAL_KV, 0)
     if check_expected_token:
-        bits |= np.where((et != -1) & (tok != et), _TOKEN, 0)
-
-    e = np.flatnonzero(oob | (in_range & (bits != 0)))
-    if len(e) == 0:
-        return
-    o = oob[e]
-    ring_append(ring, write_index, _rows(
-        tag, s[e],
-        np.where(o, expected_position[e], pos[e]),
-        np.where(o, 0, tok[e]),
-        np.where(o | (not check_expected_token), -1, et[e]),
-        np.where(o, 0, prev[e]),
-        np.where(o, 0, expected_chain[e]),
-        np.where(o, _OOB, bits[e])))
+        bits |= np.where((et != NO_EXPECTED_TOKEN) & (tok != et), _TOKEN, 0)
+    e = np.flatnonzero(~in_range | (bits != 0))
+    o = ~in_range[e]
+    return _rows(tag, s[e], np.where(o, epos[e], pos[e]), np.where(o, 0, tok[e]),
+                 np.where(o | (not check_expected_token), NO_EXPECTED_TOKEN, et[e]),
+                 np.where(o, 0, prev[e]), np.where(o, 0, expected_chain[e]),
+                 np.where(o, np.where(s[e] == 0, _PADDING, _OOB), bits[e]))
 
 
 # ---- write (SPEC §7) -----------------------------------------------------------------------------------
 def write(*, canary, offsets, seed, num_valid_reqs, input_ids, positions, out_cache_loc,
           expected_input_ids=None, expected_positions=None, chain_position_assert=None, ring,
           write_index, kernel_run_counter, slot_run_counter, sources: Sequence[RefSource],
-          tag) -> None:
+          tag, claim=None, consumed=None) -> None:
     """One write launch: stamp (token, position, chain hash, fingerprint) into each written slot.
 
     Request r < clamp(num_valid_reqs[0], 0, len(seed)) owns flat entries [start, end) with
     ``start = clamp(offsets[r], 0, T)``, ``end = clamp(offsets[r+1], start, T)``. Its chain starts
-    at ``slot_hash(seed[r])`` (a seed >= num_slots gives a SLOT_OUT_OF_RANGE row and the anchor).
+    at ``slot_hash(seed[r])`` (a seed outside [-1, num_slots) gives a SLOT_OUT_OF_RANGE row and
+    the anchor); a request the plan builder rejected (seed SEED_INVALID + BatchField) stamps
+    nothing and gives no row (the builder reported it).
     Entries with slot < 0 are skipped; slot >= num_slots gives a SLOT_OUT_OF_RANGE row and is
     skipped. Seeds are read before any store. ``kernel_run_counter += 1``; ``slot_run_counter +=``
     stamped entries. Sources are read, never written.
@@ -211,7 +229,8 @@ def write(*, canary, offsets, seed, num_valid_reqs, input_ids, positions, out_ca
     n, T = words.shape[0], len(out_cache_loc)
     R = min(max(int(num_valid_reqs[0]), 0), len(seed))
     start = np.clip(offsets[:R], 0, T)
-    length = np.minimum(np.maximum(offsets[1:R + 1], start), T) - start
+    rejected = (seed[:R] > SEED_INVALID) & (seed[:R] <= SEED_INVALID + max(BatchField))
+    length = np.where(rejected, 0, np.minimum(np.maximum(offsets[1:R + 1], start), T) - start)
     req = np.repeat(np.arange(R), length)
     first = np.cumsum(length) - length
     flat = np.arange(len(req))
@@ -250,7 +269,7 @@ def write(*, canary, offsets, seed, num_valid_reqs, input_ids, positions, out_ca
     running = run[base[req] + ok_before - ok_before[first[req]]].view(np.int64)
 
     rows, keys = [], []
-    bad_seed = np.flatnonzero(sd >= n)
+    bad_seed = np.flatnonzero(((sd >= n) | (sd < CHAIN_HEAD)) & ~rejected)
     zeros = np.zeros(len(bad_seed), dtype=np.int64)
     rows.append(_rows(tag, sd[bad_seed], zeros - 1, zeros, zeros - 1, zeros, zeros, zeros + _OOB))
     keys.append((bad_seed, zeros - 1, zeros))
@@ -272,7 +291,7 @@ def write(*, canary, offsets, seed, num_valid_reqs, input_ids, positions, out_ca
     rows.append(_rows(tag, s[e], pos[e], tok[e], tok[e], running[e], prev_pos[m] + 1, ones * _W_POSITION))
     keys.append((req[e], e, ones * 2))
     order = np.lexsort(tuple(np.concatenate(c) for c in zip(*keys))[::-1])
-    ring_append(ring, write_index, np.concatenate(rows)[order])
+    ring_append(ring, write_index, np.concatenate(rows)[order], claim, consumed)
 
     # Stores, in flat order: the last write of a repeated slot wins.
     fp = fingerprint(s[st], sources).view(np.int64)
@@ -284,120 +303,3 @@ def write(*, canary, offsets, seed, num_valid_reqs, input_ids, positions, out_ca
     rec[:, FIELD_PREV_HASH], rec[:, FIELD_REAL_KV_HASH] = running[e], fp[last]
     words[uniq, :FIELDS_PER_SLOT] = rec
     slot_run_counter[0] += len(st)
-
-
-# ---- plans (SPEC §8) -------------------------------------------------------------------------------------
-@dataclass
-class VerifyPlanArrays:
-    """A verify plan: int64 ``[capacity]`` entry arrays, int32 ``[1]`` num_valid and enable."""
-
-    slot: np.ndarray
-    expected_token: np.ndarray
-    expected_position: np.ndarray
-    prev_slot: np.ndarray
-    num_valid: np.ndarray
-    enable: np.ndarray
-
-    @classmethod
-    def zeros(cls, capacity: int) -> VerifyPlanArrays:
-        z = lambda: np.zeros(capacity, dtype=np.int64)  # noqa: E731
-        return cls(z(), z(), z(), z(), np.zeros(1, np.int32), np.zeros(1, np.int32))
-
-
-@dataclass
-class WritePlanArrays:
-    """A write plan: int64 offsets ``[req_capacity + 1]``, seed ``[req_capacity]``, int32 num_valid_reqs ``[1]``."""
-
-    offsets: np.ndarray
-    seed: np.ndarray
-    num_valid_reqs: np.ndarray
-
-    @classmethod
-    def zeros(cls, req_capacity: int) -> WritePlanArrays:
-        return cls(np.zeros(req_capacity + 1, np.int64), np.zeros(req_capacity, np.int64),
-                   np.zeros(1, np.int32))
-
-
-def fill_plan(*, verify: VerifyPlanArrays, write: WritePlanArrays, req_pool_indices, prefix_lens,
-              extend_lens, req_to_token, swa_window=0, swa_map=None, expected_pool=None,
-              expected_valid_lens=None, expected_token_offset=0) -> None:
-    """Fill existing plan arrays from the engine's batch (SPEC §8), as the plan kernel does.
-
-    Request r with row ``req_pool_indices[r]`` outside [1, rows) is padding: no verify entries,
-    empty write range, seed -1. Verify entries are positions [lo, prefix) per request in batch
-    order (``lo = max(0, prefix - swa_window)`` when ``swa_window > 0``); slots and predecessors
-    go through ``swa_map`` (a full index outside the map becomes -2). If the entries exceed the
-    verify capacity: ``num_valid = capacity``, ``enable = 0`` and no entry is written; otherwise
-    entries [0, total) are written and the rest left as they were (verify never reads them).
-    Without ``expected_valid_lens`` the whole pool row is valid. Raises ValueError (before
-    writing anything) if the batch exceeds the write plan's request capacity.
-    """
-    rpi = np.asarray(req_pool_indices, dtype=np.int64)
-    bs = len(rpi)
-    if bs > len(write.seed):
-        raise ValueError(f"kv-canary: batch size {bs} exceeds the write plan's request capacity "
-                         f"{len(write.seed)}; fix: create the plan with write_req_capacity >= {bs}")
-    rtt = np.asarray(req_to_token)
-    rtt_rows, max_len = rtt.shape
-    pad = (rpi <= 0) | (rpi >= rtt_rows)
-    row = np.where(pad, 0, rpi)
-    prefix = np.clip(np.asarray(prefix_lens, dtype=np.int64), 0, max_len)
-    extend = np.maximum(np.asarray(extend_lens, dtype=np.int64), 0)
-    lo = np.maximum(prefix - swa_window, 0) if swa_window > 0 else np.zeros(bs, np.int64)
-    count = np.where(pad, 0, prefix - lo)
-    smap = None if swa_map is None else np.asarray(swa_map, dtype=np.int64)
-
-    def mapped(x):
-        x = np.asarray(x, dtype=np.int64)
-        if smap is None:
-            return x
-        inside = (x >= 0) & (x < len(smap))
-        return np.where(inside, smap[np.where(inside, x, 0)] if len(smap) else -2, -2)
-
-    total = int(count.sum())
-    capacity = len(verify.slot)
-    if total > capacity:
-        verify.num_valid[0], verify.enable[0] = capacity, 0
-    else:
-        req = np.repeat(np.arange(bs), count)
-        pos = lo[req] + np.arange(total) - (np.cumsum(count) - count)[req]
-        rr = row[req]
-        verify.slot[:total] = mapped(rtt[rr, pos])
-        prev = np.full(total, -1, dtype=np.int64)
-        m = np.flatnonzero(pos > 0)
-        prev[m] = mapped(rtt[rr[m], pos[m] - 1])
-        verify.prev_slot[:total] = prev
-        verify.expected_position[:total] = pos
-        token = np.full(total, -1, dtype=np.int64)
-        if expected_pool is not None:
-            pool = np.asarray(expected_pool)
-            limit = np.full(bs, pool.shape[1], np.int64) if expected_valid_lens is None else \
-                np.minimum(np.asarray(expected_valid_lens, dtype=np.int64), pool.shape[1])
-            q = pos + int(expected_token_offset)
-            m = np.flatnonzero((q >= 0) & (q < limit[req]))
-            token[m] = pool[rr[m], q[m]]
-        verify.expected_token[:total] = token
-        verify.num_valid[0], verify.enable[0] = total, 1
-
-    write.offsets[0] = 0
-    write.offsets[1:bs + 1] = np.cumsum(np.where(pad, 0, extend))
-    has_seed = ~pad & (prefix > 0) & (extend > 0)
-    seed = np.full(bs, -1, dtype=np.int64)
-    idx = np.flatnonzero(has_seed)
-    seed[idx] = mapped(rtt[row[idx], prefix[idx] - 1])
-    write.seed[:bs] = seed
-    write.num_valid_reqs[0] = bs
-
-
-def build_plan(*, req_pool_indices, prefix_lens, extend_lens, req_to_token, swa_window=0,
-               swa_map=None, expected_pool=None, expected_valid_lens=None,
-               expected_token_offset=0, verify_capacity: int,
-               write_req_capacity: int) -> tuple[VerifyPlanArrays, WritePlanArrays]:
-    """New zero-initialised plans of the given capacities, filled by :func:`fill_plan`."""
-    verify, write = VerifyPlanArrays.zeros(verify_capacity), WritePlanArrays.zeros(write_req_capacity)
-    fill_plan(verify=verify, write=write, req_pool_indices=req_pool_indices,
-              prefix_lens=prefix_lens, extend_lens=extend_lens, req_to_token=req_to_token,
-              swa_window=swa_window, swa_map=swa_map, expected_pool=expected_pool,
-              expected_valid_lens=expected_valid_lens,
-              expected_token_offset=expected_token_offset)
-    return verify, write

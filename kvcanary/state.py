@@ -17,6 +17,9 @@ from . import abi
 from .arrays import ArrayView, as_view
 from .errors import ValidationError
 from .sources import MarshalledSource, RealKvSource, marshal_sources, resolved
+from .validate import integer
+
+RING_CAPACITY_LIMIT = 1 << 24  # rows (1 GiB of ring): more would only hide a reporting backlog
 
 
 def alloc_zeros(shape, dtype, device: int | None):
@@ -85,26 +88,56 @@ class CanaryBuffer:
 
 
 class ViolationSink:
-    """Violation ring ``[capacity, 8]`` int64, its int32 write index and the two int64 counters."""
+    """Violation ring ``[capacity, 8]`` int64, its int32 write index and the two int64 counters.
 
-    def __init__(self, ring, write_index, kernel_run_counter, slot_run_counter):
+    Format v1 (SGLang's layout) is those four arrays: the ring fills once. The manager also gives
+    ``claim`` (an int64 ``[1]`` whose low int32 is ``write_index``: the 64-bit count of every
+    violation), ``consumed`` (int64 ``[1]``: ring rows the host has taken; rows are then kept in a
+    window of ``capacity`` after it) and ``skips`` (int64 ``[1]``: verify entries the kernels
+    skipped because the plan and the launch's batch disagree).
+    """
+
+    def __init__(self, ring, write_index, kernel_run_counter, slot_run_counter, *, claim=None,
+                 consumed=None, skips=None):
         self.ring_view = checked(ring, "violation ring", dtype=np.int64, ndim=2, writable=True,
                                  shape=(None, abi.RING_COLS))
         self.write_index_view = checked(write_index, "write_index", dtype=np.int32, shape=(1,), ndim=1, writable=True)
         self.kernel_run_view = checked(kernel_run_counter, "kernel_run_counter", dtype=np.int64, shape=(1,), ndim=1, writable=True)
         self.slot_run_view = checked(slot_run_counter, "slot_run_counter", dtype=np.int64, shape=(1,), ndim=1, writable=True)
-        self.arrays = (ring, write_index, kernel_run_counter, slot_run_counter)
+        opt = lambda a, name: None if a is None else checked(a, name, dtype=np.int64, shape=(1,), ndim=1, writable=True)  # noqa: E731
+        self.claim_view, self.consumed_view, self.skips_view = (
+            opt(claim, "claim"), opt(consumed, "consumed"), opt(skips, "skips"))
+        self.arrays = (ring, write_index, kernel_run_counter, slot_run_counter)  # format v1
+        self.window_arrays = (claim, consumed, skips)
         self.capacity = self.ring_view.shape[0]
+        if self.capacity < 1:
+            raise ValidationError("kv-canary: violation ring must have at least 1 row, got 0. Fix: "
+                                  "allocate it as [capacity >= 1, 8]")
         self.device = same_device([self.ring_view, self.write_index_view, self.kernel_run_view,
-                                   self.slot_run_view], "a ViolationSink")
+                                   self.slot_run_view, self.claim_view, self.consumed_view, self.skips_view],
+                                  "a ViolationSink")
 
     @classmethod
     def allocate(cls, capacity: int = abi.DEFAULT_RING_CAPACITY, *, device: int | None = None):
-        if capacity < 1:
-            raise ValidationError(f"kv-canary: ring capacity must be >= 1, got {capacity}")
+        integer("ring capacity", capacity, lo=1, hi=RING_CAPACITY_LIMIT)
         return cls(alloc_zeros((capacity, abi.RING_COLS), np.int64, device),
                    alloc_zeros((1,), np.int32, device), alloc_zeros((1,), np.int64, device),
                    alloc_zeros((1,), np.int64, device))
+
+    def pack_ring(self, p, tag) -> None:
+        """Fill the ring fields of a params struct (the _COMMON prefix) from this sink."""
+        p.ring, p.ring_capacity, p.write_index = self.ring_view.ptr, self.capacity, self.write_index_view.ptr
+        p.ring_claim = 0 if self.claim_view is None else self.claim_view.ptr
+        p.ring_consumed = 0 if self.consumed_view is None else self.consumed_view.ptr
+        p.skip_counter = 0 if self.skips_view is None else self.skips_view.ptr
+        p.kernel_run_counter, p.slot_run_counter = self.kernel_run_view.ptr, self.slot_run_view.ptr
+        p.tag = int(tag)
+
+    def params(self, struct_type, tag):
+        """A fresh params struct with only this sink's fields filled (the plan builder's)."""
+        p = struct_type()
+        self.pack_ring(p, tag)
+        return p
 
 
 @dataclass
@@ -175,12 +208,7 @@ class VerifyContext:
         p.canary = self.buffer.view.ptr
         p.slot_stride_words = self.buffer.slot_stride // 8
         p.num_slots = self.buffer.num_slots
-        p.ring = self.sink.ring_view.ptr
-        p.ring_capacity = self.sink.capacity
-        p.write_index = self.sink.write_index_view.ptr
-        p.kernel_run_counter = self.sink.kernel_run_view.ptr
-        p.slot_run_counter = self.sink.slot_run_view.ptr
-        p.tag = int(self.tag)
+        self.sink.pack_ring(p, self.tag)
         p.num_sources = len(self.marshalled)
         s = self.source_descs
         p.sources = s.ctypes.data if isinstance(s, np.ndarray) else s.ptr
@@ -194,5 +222,5 @@ class VerifyContext:
 
 
 COMMON_BYTES = abi.layout(abi.VERIFY_PARAMS)["plan_slot"]
-for _decl in (abi.WRITE_PARAMS, abi.FUSED_VERIFY_PARAMS):  # every kernel shares the same prefix
-    assert [f.name for f in _decl.fields[:11]] == [f.name for f in abi.VERIFY_PARAMS.fields[:11]]
+for _decl in (abi.WRITE_PARAMS, abi.FUSED_VERIFY_PARAMS, abi.PREPARE_PARAMS):  # they share the prefix
+    assert [f.name for f in _decl.fields[:len(abi.COMMON)]] == [f.name for f in abi.COMMON]

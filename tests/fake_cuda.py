@@ -109,6 +109,9 @@ class FakeDriver:
     def cuKernelGetFunction(self, kernel):
         return OK, kernel
 
+    def cuOccupancyMaxActiveBlocksPerMultiprocessor(self, fn, block, smem):
+        return OK, 2048 // int(block)
+
     def cuPointerGetAttribute(self, attr, ptr):
         return OK, 0
 
@@ -130,6 +133,11 @@ class FakeDriver:
 
     def cuMemsetD8Async(self, ptr, value, nbytes, stream):
         ctypes.memset(int(ptr), value, nbytes)
+        return (OK,)
+
+    def cuMemsetD32Async(self, ptr, value, n, stream):
+        self.calls["cuMemsetD32Async"] += 1
+        (ctypes.c_uint32 * int(n)).from_address(int(ptr))[:] = [int(value)] * int(n)
         return (OK,)
 
     def _copy(self, dst, src, nbytes, stream=None):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import kvcanary as kc
-from tests.session import Session
+from tests.session import SCRIPT, Session
 
 
 def violations(records):
@@ -23,7 +23,8 @@ def test_scripted_session_is_clean(swa, hash_mode):
     records = s.script()
     assert violations(records) == []
     stats = s.canary.stats()
-    assert stats["verified_slots"] > 100 and stats["protected_tokens"] > 50
+    written = sum(len(new) for item in SCRIPT if isinstance(item, list) for _, new in item)
+    assert stats["verified_slots"] > 100 and stats["protected_tokens"] == written == 45  # once per token
     s.canary.health_check()
 
 

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from kvcanary.reference import (
-    VerifyPlanArrays, WritePlanArrays, build_plan, fill_plan, verify, write,
-)
+from kvcanary.abi import SEED_INVALID, BatchField, FailReason
+from kvcanary.reference import verify, write
+from kvcanary.reference_plan import VerifyPlanArrays, WritePlanArrays, build_plan, fill_plan
 
 
 def rtt_of(rows):
@@ -54,19 +54,48 @@ def test_decode_batch():
     assert (v.num_valid[0], v.enable[0], w.num_valid_reqs[0]) == (6, 1, 2)
 
 
-def test_mixed_batch_with_padding_rows():
-    # row 0 (graph padding), a negative row and a row past req_to_token are all padding.
-    v, w = plan([0, 2, -1, 3, 9], [3, 2, 2, 1, 4], [1, 3, 1, 0, 2])
+def batch_row(request, field, value, bound, slot=-1, tag=0):
+    """A BATCH_INDEX_OUT_OF_RANGE ring row as abi.BatchField defines its columns."""
+    return (tag, slot, request, value, int(field), 0, bound, int(FailReason.BATCH_INDEX_OUT_OF_RANGE))
+
+
+def test_rows_outside_the_request_pool_are_rejected_not_padding():
+    # SPEC §8: only row 0 is padding; -1 and 9 (past req_to_token's 4 rows) are engine bugs:
+    # reported, no entries, their tokens owned but never stamped (seed SEED_INVALID + field)
+    rows = []
+    v, w = plan([0, 2, -1, 3, 9], [3, 2, 2, 1, 4], [1, 3, 1, 0, 2], report=rows.append)
     assert entries(v) == [(20, -1, 0, -1), (21, -1, 1, 20), (30, -1, 0, -1)]
-    assert w.offsets[:6].tolist() == [0, 0, 3, 3, 3, 3]
-    assert w.seed[:5].tolist() == [-1, 21, -1, -1, -1]  # extend 0 gives no seed either
+    assert w.offsets[:6].tolist() == [0, 0, 3, 4, 4, 6]  # padding owns none, rejected rows keep theirs
+    bad = SEED_INVALID + int(BatchField.REQ_POOL_INDEX)
+    assert w.seed[:5].tolist() == [-1, 21, bad, -1, bad]  # extend 0 gives no seed either
     assert w.num_valid_reqs[0] == 5
+    assert sorted(map(tuple, np.concatenate(rows).tolist())) == sorted([
+        batch_row(2, BatchField.REQ_POOL_INDEX, -1, 4), batch_row(4, BatchField.REQ_POOL_INDEX, 9, 4),
+        batch_row(0, BatchField.PADDING_ORDER, 0, 2)])
 
 
-def test_lengths_are_clamped():
-    v, w = plan([1, 2], [-4, 99], [-2, 1])
-    assert [e[2] for e in entries(v)] == list(range(8))  # prefix clamped to max_len = 8
-    assert w.offsets[:3].tolist() == [0, 0, 1] and w.seed[:2].tolist() == [-1, 0]
+def test_lengths_out_of_range_are_rejected_and_reported():
+    rows = []
+    v, w = plan([1, 2, 3], [-4, 99, 2], [-2, 1, -1], report=rows.append)
+    assert entries(v) == []  # nothing is read for a rejected request
+    assert w.offsets[:4].tolist() == [0, 0, 1, 1]
+    assert w.seed[:3].tolist() == [SEED_INVALID + int(BatchField.PREFIX_LEN)] * 2 + [SEED_INVALID + int(BatchField.EXTEND_LEN)]
+    assert sorted(map(tuple, np.concatenate(rows).tolist())) == sorted([
+        batch_row(0, BatchField.PREFIX_LEN, -4, 8), batch_row(1, BatchField.PREFIX_LEN, 99, 8),
+        batch_row(2, BatchField.EXTEND_LEN, -1, 0)])
+
+
+def test_tokens_against_the_write_ranges():
+    rows = []
+    loc = np.array([11, 12, 13, -1, 0, 17], np.int64)   # 3 owned tokens, then -1 and 0 padding, then 17
+    plan([1, 0], [0, 0], [3, 1], out_cache_loc=loc, report=rows.append)
+    assert np.concatenate(rows).tolist() == [list(batch_row(-1, BatchField.TOKENS_UNOWNED, 5, 3, slot=17))]
+    rows.clear()
+    plan([1, 2], [0, 0], [3, 4], out_cache_loc=loc, report=rows.append)
+    assert np.concatenate(rows).tolist() == [list(batch_row(-1, BatchField.TOKENS_SHORT, 7, 6))]
+    rows.clear()
+    plan([1, 0], [0, 0], [3, 1], out_cache_loc=loc[:5], report=rows.append)  # padding only: silent
+    assert np.concatenate(rows).tolist() == []
 
 
 def test_swa_window_clipping_and_map():

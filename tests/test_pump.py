@@ -196,23 +196,38 @@ def test_health_check_sees_a_launch_that_never_ran(fake):
         canary.health_check()
 
 
-def test_launches_are_repacked_only_when_a_batch_field_is_another_object(fake):
+class SameMemory:
+    """Another object over the same device memory (a fresh engine tensor at a reused address)."""
+
+    def __init__(self, array):
+        self.__cuda_array_interface__ = dict(array.__cuda_array_interface__)
+
+
+def test_launches_are_repacked_only_when_a_batch_layout_changes(fake):
     from kvcanary import memory
     canary, batch, _ = make_canary()
     s = stream(fake)
     step(canary, batch, s)
-    packed = canary._hot["HEAD"][2]
+    (packed,) = canary._packed["HEAD"].values()
     step(canary, kc.Batch(**batch.__dict__), s)      # another Batch of the same arrays
-    assert canary._hot["HEAD"][2] is packed
+    fresh = kc.Batch(**{k: SameMemory(v) if hasattr(v, "__cuda_array_interface__") else v
+                        for k, v in batch.__dict__.items()})
+    step(canary, fresh, s)                           # new objects, same addresses and layouts
+    assert list(canary._packed["HEAD"].values()) == [packed]
     batch.out_cache_loc = memory.to_device(np.array([10], np.int64))
     step(canary, batch, s)
-    assert canary._hot["HEAD"][2] is not packed
-    write = canary._hot["HEAD"][2][-1]
-    assert write.params.out_cache_loc == batch.out_cache_loc.ptr
+    assert len(canary._packed["HEAD"]) == 2
+    write = list(canary._packed["HEAD"].values())[-1][-1]
+    assert write.name == "kvc_write" and write.params.out_cache_loc == batch.out_cache_loc.ptr
     batch.expected_token_offset = 1                  # a scalar field counts too
-    head = canary._hot["HEAD"][2]
     step(canary, batch, s)
-    assert canary._hot["HEAD"][2] is not head
+    assert len(canary._packed["HEAD"]) == 3
+    for k in range(LAYOUTS := 8):                    # at most 8 layouts are kept per stage
+        batch.out_cache_loc = memory.to_device(np.array([10 + k], np.int64))
+        step(canary, batch, s)
+    assert len(canary._packed["HEAD"]) == LAYOUTS
+    for launches in canary._packed["HEAD"].values():  # a cached launch never keeps the batch alive
+        assert all(not any(x is batch.out_cache_loc for x in launch.keep) for launch in launches)
 
 
 @pytest.mark.parametrize("hash_mode,read_bytes,tail_verify,block", [
@@ -232,26 +247,19 @@ def test_verify_kernel_follows_the_fingerprinted_bytes(fake, hash_mode, read_byt
     assert [v[0] for v in verifies] == ["kvc_fused_verify", tail_verify]  # HEAD never fingerprints
     assert verifies[0][2] == 256 and verifies[1][2] == block
     for fn, grid, bx in verifies:  # no block without a tile of a full plan (grid-stride covers any grid)
-        per_block = (31 if fn.endswith("_wide") else 63) * (bx // 32)  # entries a warp tile verifies
-        assert 1 <= grid <= -(-4096 // per_block)
+        tile = bx if fn.endswith("_wide") else abi.VERIFY_LANE_ENTRIES * bx  # entries of a block tile
+        assert 1 <= grid <= -(-4096 // tile)
 
 
-@pytest.mark.parametrize("batch_size,wide,kernel", [
-    (1, False, "kvc_fused_verify"), (31, False, "kvc_fused_verify"),          # too few for a 32-request group
-    (32, False, "kvc_fused_verify_rm"), (1024, False, "kvc_fused_verify_rm"),  # request-major tiles
-    (1025, False, "kvc_fused_verify"),                                         # beyond its shared staging
-    (256, True, "kvc_fused_verify_wide"),                                      # long strips win
-])
-def test_fused_verify_tiling_follows_the_batch_size(batch_size, wide, kernel):
-    import types
-    from kvcanary import ops
-    p = abi.FusedVerifyParams()
-    p.batch_size = batch_size
-    rt, hash_bytes = types.SimpleNamespace(sm_count=132), (16, 1024) if wide else (16,)
-    name, grid, block = ops._verify_kernel("kvc_fused_verify", rt, p, 1 << 20, hash_bytes)
-    assert name == kernel and block == (128 if wide else 256)
-    assert 1 <= grid * block <= 132 * 16 * 256  # at most 16 blocks of 256 threads per SM
-    if kernel.endswith("_rm"):
-        assert grid <= 132 * abi.RM_MIN_BLOCKS  # one resident wave
-    want = "kvc_verify_wide" if wide else "kvc_verify"
-    assert ops._verify_kernel("kvc_verify", rt, p, 1 << 20, hash_bytes)[0] == want
+@pytest.mark.parametrize("capacity,wide", [(1, False), (1000, False), (1 << 20, False), (1 << 20, True)])
+def test_verify_grid_is_one_resident_wave_at_most(fake, capacity, wide):
+    """The kernel follows the fingerprinted bytes only (no layout guessed from the batch size);
+    the grid is the driver's occupancy x SMs, never more blocks than the plan has tiles."""
+    from kvcanary import driver, ops
+    rt = driver.runtime(0)
+    hash_bytes = (16, 1024) if wide else (16,)
+    for base in ("kvc_verify", "kvc_fused_verify"):
+        name, grid, block = ops._verify_shape(rt, base, capacity, hash_bytes)
+        assert name == (f"{base}_wide" if wide else base) and block == (128 if wide else 256)
+        tile = block if wide else abi.VERIFY_LANE_ENTRIES * block
+        assert grid == min(rt.sm_count * (2048 // block), -(-capacity // tile))  # fake occupancy: 2048 threads

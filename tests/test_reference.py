@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcanary.abi import FailReason, LaunchTag
+from kvcanary.abi import PREV_ON_PADDING, FailReason, LaunchTag
 from kvcanary.hashing import mix3, sm, to_i64
 from kvcanary.reference import RefSource, fingerprint, ring_append, slot_hash, verify, write
 
@@ -18,6 +18,7 @@ W_TOKEN = int(FailReason.WRITE_TOKEN_MISMATCH)
 W_POSITION = int(FailReason.WRITE_POSITION_MISMATCH)
 TOKEN = int(FailReason.VERIFY_TOKEN_MISMATCH)
 OOB = int(FailReason.SLOT_OUT_OF_RANGE)
+PADDING = int(FailReason.PADDING_SLOT_READ)
 HEAD, TAIL = int(LaunchTag.HEAD_K_FULL), int(LaunchTag.TAIL_V_SWA)
 ANCHOR_H = 0xDE7FAE23A9A1B716  # sm(ANCHOR), pinned in SPEC §3
 
@@ -346,11 +347,23 @@ def test_predecessor_slot_zero_means_unchecked_chain():
     assert ctx.rows() == [(HEAD, slots[2], positions[2], tokens[2], tokens[2], 77, 77, POSITION)]
 
 
-def test_slot_zero_entries_are_skipped_but_counted():
+def test_slot_zero_entries_are_reported_and_counted():
+    # SPEC §6/§8: a plan entry is a real request's, and a real request never reads the padding slot
     ctx = Ctx(8)
     ctx.set_field(0, 0, 5)
     ctx.verify([(0, 1, 2, 3), (0, 9, 9, -1)])
-    assert ctx.rows() == [] and ctx.slot_runs[0] == 2 and ctx.kernel_runs[0] == 1
+    assert ctx.rows() == [(HEAD, 0, 2, 0, -1, 0, 0, PADDING), (HEAD, 0, 9, 0, -1, 0, 0, PADDING)]
+    assert ctx.slot_runs[0] == 2 and ctx.kernel_runs[0] == 1
+
+
+def test_required_predecessor_on_the_padding_slot_is_reported_unchecked():
+    # plan prev PREV_ON_PADDING (-3): the chain is not checked, bit PADDING_SLOT_READ is set;
+    # prev 0 (a legitimate zero, e.g. an SWA predecessor outside the window) stays silent
+    ctx = Ctx(8)
+    ctx.write([(-1, [3], [5], [4])])
+    ctx.verify([(3, -1, 4, PREV_ON_PADDING), (3, -1, 4, 0)])
+    stored = ctx.field(3, 2)
+    assert ctx.rows() == [(HEAD, 3, 4, 5, -1, stored, stored, PADDING)]
 
 
 def test_out_cache_loc_negative_is_skipped():
@@ -387,7 +400,8 @@ def test_num_valid_is_clamped_to_capacity(num_valid, active):
     entries = chain_entries(slots, tokens, positions)
     ctx.verify(entries, capacity=6, num_valid=num_valid)
     assert ctx.slot_runs[0] == 4 + active
-    assert [r[1] for r in ctx.rows()] == slots[:min(active, 4)]
+    # entries past the 4 given ones are zeros: slot 0, which a plan entry never names (reported)
+    assert [r[1] for r in ctx.rows()] == slots[:min(active, 4)] + [0] * max(0, active - 4)
 
 
 def test_write_num_valid_reqs_and_offsets_clamped():
@@ -473,7 +487,7 @@ def test_verify_out_of_range_slot_and_predecessor():
         (HEAD, 16, 5, 0, -1, 0, 0, OOB),
         (HEAD, -4, 6, 0, -1, 0, 0, OOB),
         (HEAD, 4, 1, 2, 2, p4, 0, CHAIN | OOB),
-        (HEAD, 4, 1, 2, 2, p4, to_i64(ANCHOR_H), CHAIN),
+        (HEAD, 4, 1, 2, 2, p4, 0, CHAIN | OOB),  # -2 (SWA unmapped) is no chain head: out of range
     ]
 
 
@@ -484,6 +498,35 @@ def test_write_out_of_range_seed_and_slot():
     assert ctx.rows() == [(TAIL, 16, -1, 0, -1, 0, 0, OOB), (TAIL, 20, 1, 2, -1, to_i64(h1), 0, OOB)]
     assert ctx.field(2, 2) == to_i64(ANCHOR_H) and ctx.field(3, 2) == to_i64(h1)
     assert ctx.slot_runs[0] == 2
+
+
+def test_write_seed_slot_zero_is_a_real_seed():
+    # SPEC §7: "Slot 0 is not special in write": a seed of 0 chains from slot 0's record
+    ctx = Ctx(16)
+    ctx.write([(-1, [0], [9], [4])])                     # a padding write stamps slot 0
+    ctx.write([(0, [5], [3], [5])], assert_flag=1)
+    h0 = mix3(mix3(ANCHOR_H, 9, 4), 3, 5)
+    assert ctx.field(5, 2) == to_i64(mix3(ANCHOR_H, 9, 4)) and ctx.rows() == []
+    ctx.write([(0, [6], [3], [9])], assert_flag=1)       # the seed's position (4) drives the assert
+    assert ctx.rows() == [(TAIL, 6, 9, 3, 3, to_i64(mix3(ANCHOR_H, 9, 4)), 5, W_POSITION)]
+    assert h0 != 0
+
+
+def test_write_negative_seeds_other_than_chain_head_are_out_of_range():
+    ctx = Ctx(16)
+    ctx.write([(-2, [2], [1], [0]), (-7, [3], [1], [0])])
+    assert ctx.rows() == [(TAIL, -2, -1, 0, -1, 0, 0, OOB), (TAIL, -7, -1, 0, -1, 0, 0, OOB)]
+    assert ctx.field(2, 2) == ctx.field(3, 2) == to_i64(ANCHOR_H) and ctx.slot_runs[0] == 2
+
+
+def test_write_skips_requests_the_plan_builder_rejected():
+    # seed SEED_INVALID + field: no stamp, no row (the builder reported it), tokens still owned
+    from kvcanary.abi import SEED_INVALID, BatchField
+    ctx = Ctx(16)
+    ctx.write([(-1, [2], [1], [0]), (SEED_INVALID + int(BatchField.REQ_POOL_INDEX), [3, 4], [5, 6], [0, 1]),
+               (-1, [7], [8], [0])])
+    assert ctx.rows() == [] and ctx.slot_runs[0] == 2
+    assert ctx.field(3, 0) == ctx.field(4, 0) == 0 and ctx.field(7, 0) == 8
 
 
 def test_write_rows_are_in_request_then_entry_order():

@@ -127,7 +127,7 @@ def test_batch_rules():
     z = np.zeros(2, np.int64)
     rtt = np.zeros((4, 8), np.int32)
     kc.build_plan(kc.Batch(z, z, z, rtt), plan)
-    with pytest.raises(ValueError, match=r"batch size 3 exceeds the plan's max_batch 2"):
+    with pytest.raises(ValueError, match=r"batch size must be <= the plan's max_batch \(2\), got 3"):
         kc.build_plan(kc.Batch(np.zeros(3, np.int64), np.zeros(3, np.int64), np.zeros(3, np.int64), rtt), plan)
     with pytest.raises(ValueError, match=r"batch.req_to_token must have dtype int32, got int64"):
         kc.build_plan(kc.Batch(z, z, z, rtt.astype(np.int64)), plan)

@@ -16,7 +16,7 @@ from collections import Counter
 
 import numpy as np
 
-from kvcanary.errors import CanaryViolationError
+from kvcanary.errors import BatchValueError, CanaryViolationError
 from kvcanary.manager import KvCanary, PoolGroup
 
 from .cache import Cache
@@ -85,6 +85,9 @@ class Engine:
         except CanaryViolationError as exc:
             for v in exc.violations:
                 self._export(dict(v.to_dict(type="violation", step=self.kv.step)))
+        except BatchValueError as exc:  # host arrays: rejected before anything ran (the device reports it)
+            self._export(dict(type="violation", step=self.kv.step, launch_tag="HEAD_K_FULL", slot_idx=exc.slot,
+                              position=exc.request, fail_reason=["batch_index_out_of_range"]))
 
     def finish(self) -> None:
         """Report everything still in flight (GPU pump) and stop."""

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import kvcanary as kc
-from kvcanary import abi, memory
+from kvcanary import abi, memory, reference_plan
+from kvcanary.reference import RefSource
 
 pytestmark = [pytest.mark.gpu, pytest.mark.emulated]  # no GPU: kernels run in tests/emu
 
@@ -17,8 +18,9 @@ def random_batch(seed, *, bs=64, rows=100, max_len=512, num_slots=30000, swa=Fal
     rtt[rng.random((rows, max_len)) < 0.01] = 0  # some predecessors are the padding slot
     rpi = rng.integers(1, rows, bs).astype(np.int64)
     rpi[-bs // 8:] = 0  # padding rows at the end
-    prefix = rng.integers(0, max_len + 20, bs).astype(np.int64)  # some beyond max_len: clamped
+    prefix = rng.integers(0, max_len + 20, bs).astype(np.int64)  # some beyond max_len: rejected
     extend = rng.integers(0, 5, bs).astype(np.int64)
+    rpi[0], prefix[1], extend[2] = rows + 3, max_len + 7, -2  # always one of each rejected value
     batch = dict(req_pool_indices=rpi, prefix_lens=prefix, extend_lens=extend, req_to_token=rtt)
     kw = {}
     if swa:
@@ -35,13 +37,32 @@ def on(dev, batch):
     return kc.Batch(**{k: (memory.to_device(v) if isinstance(v, np.ndarray) and dev else v) for k, v in batch.items()})
 
 
+def host_plan(batch, kw, cap, max_batch=80):
+    """The reference plan builder run directly on the batch (no host validation: the batch holds
+    values the device must handle), with the rows it reports."""
+    plan, rows = kc.StepPlan.allocate(max_batch, cap), []
+    reference_plan.fill_plan(
+        verify=reference_plan.VerifyPlanArrays(plan.slot, plan.expected_token, plan.expected_position,
+                                               plan.prev_slot, plan.num_valid, plan.enable),
+        write=reference_plan.WritePlanArrays(plan.offsets, plan.seed, plan.num_valid_reqs),
+        entry_offsets=plan.entry_offsets, report=rows.append, tag=int(abi.LaunchTag.HEAD_K_FULL),
+        **batch, **kw)
+    return plan, sorted(map(tuple, np.concatenate(rows).tolist()))
+
+
+def sink_rows(sink) -> list[tuple]:
+    host = lambda a: a if isinstance(a, np.ndarray) else a.numpy()  # noqa: E731
+    ring, wi = host(sink.arrays[0]), int(host(sink.arrays[1])[0])
+    return sorted(map(tuple, ring[:wi].tolist()))
+
+
 @pytest.mark.parametrize("seed,swa,expected,cap", [(0, False, False, 1 << 16), (1, True, False, 1 << 16),
                                                    (2, False, True, 1 << 16), (3, True, True, 1 << 16),
                                                    (4, False, False, 100)])
 def test_plan_kernels_equal_reference(seed, swa, expected, cap):
     batch, kw = random_batch(seed, swa=swa, expected=expected)
-    ref = kc.StepPlan.allocate(80, cap)
-    kc.build_plan(on(False, batch), ref, **kw)
+    ref, ref_rows = host_plan(batch, kw, cap)
+    assert ref_rows  # prefixes past max_len are rejected and reported
     dev = kc.StepPlan.allocate(80, cap, device=0, materialize=True)
     kw_dev = dict(kw)
     if "swa_map" in kw:
@@ -59,6 +80,8 @@ def test_plan_kernels_equal_reference(seed, swa, expected, cap):
     np.testing.assert_array_equal(dev.offsets.numpy()[:bs + 1], ref.offsets[:bs + 1])
     np.testing.assert_array_equal(dev.seed.numpy()[:bs], ref.seed[:bs])
     assert dev.num_valid_reqs.numpy()[0] == ref.num_valid_reqs[0] == bs
+    np.testing.assert_array_equal(dev.entry_offsets.numpy()[:bs + 1], ref.entry_offsets[:bs + 1])
+    assert sink_rows(dev.reject_sink) == ref_rows
     if cap == 100:
         assert ref.enable[0] == 0
 
@@ -84,27 +107,34 @@ def test_fused_verify_equals_plan_plus_verify(seed, swa, expected):
             kc.fused_verify(ctx, dbatch, plan, check_expected_token=True, **kwd)
         else:
             kc.verify(ctx, plan, check_expected_token=True)
-        ring, wi = sink.arrays[0].numpy(), int(sink.arrays[1].numpy()[0])
-        return sorted(map(tuple, ring[:wi].tolist())), wi, sink.arrays[2].numpy()[0], sink.arrays[3].numpy()[0]
+        rows = sink_rows(sink)
+        return rows, len(rows), sink.arrays[2].numpy()[0], sink.arrays[3].numpy()[0], sink_rows(plan.reject_sink)
 
     fused, plain = run(True), run(False)
     assert fused == plain
     assert fused[1] > 100
-    # and the reference agrees with both
-    host_plan = kc.StepPlan.allocate(80, 1 << 16)
-    kc.build_plan(on(False, batch), host_plan, **kw)
+    # and the reference agrees with both: the plan path and the fused path of the reference
+    ref, ref_rejects = host_plan(batch, kw, 1 << 16)
+    assert ref_rejects == fused[4]
     sink = kc.ViolationSink.allocate(1 << 17)
     ctx = kc.VerifyContext(kc.CanaryBuffer(canary.copy()), sink, abi.LaunchTag.HEAD_V_SWA,
                            [kc.RealKvSource(pool, 1, 64, 48)], abi.HashMode.ALL)
-    kc.verify(ctx, host_plan, check_expected_token=True)
-    wi = int(sink.arrays[1][0])
-    assert sorted(map(tuple, sink.arrays[0][:wi].tolist())) == fused[0]
+    kc.verify(ctx, ref, check_expected_token=True)
+    assert sink_rows(sink) == fused[0]
+    q = reference_plan.requests(batch["req_pool_indices"], batch["prefix_lens"], batch["extend_lens"],
+                                batch["req_to_token"].shape, kw.get("swa_window", 0))
+    rows, active, skipped = reference_plan.fused_verify_rows(
+        canary=canary, q=q, entry_offsets=ref.entry_offsets, num_valid=ref.num_valid, enable=ref.enable,
+        capacity=1 << 16, req_to_token=batch["req_to_token"], sources=[RefSource(pool, 1, 64, 48)],
+        tag=int(abi.LaunchTag.HEAD_V_SWA), check_expected_token=True, swa_map=kw.get("swa_map"),
+        expected_pool=batch.get("expected_pool"), expected_valid_lens=batch.get("expected_valid_lens"),
+        expected_token_offset=batch.get("expected_token_offset", 0))
+    assert sorted(map(tuple, rows.tolist())) == fused[0] and skipped == 0 and active == fused[3]
 
 
 def test_large_batch_16384_requests():
     batch, kw = random_batch(20, bs=16384, rows=2000, max_len=64)
-    ref = kc.StepPlan.allocate(16384, 1 << 20)
-    kc.build_plan(on(False, batch), ref)
+    ref, _ = host_plan(batch, kw, 1 << 20, max_batch=16384)
     dev = kc.StepPlan.allocate(16384, 1 << 20, device=0, materialize=True)
     kc.build_plan(on(True, batch), dev)
     n = int(ref.num_valid[0])
@@ -146,7 +176,7 @@ def stamped_engine(seed, *, mode, stride, sources, swa, bs=300, lengths=(0, 0, 1
     assert int(sink.arrays[1][0]) == 0, "the stamping write must be clean"
     prefix = np.where(rng.random(bs) < 0.5, lens, np.minimum(lens, rng.integers(0, max_len, bs))).astype(np.int64)
     read = [r for r in range(bs) if prefix[r] > 0]
-    for r in rng.choice(read, 6, replace=False):  # corrupt token, position, chain or fingerprint of a read slot
+    for r in rng.choice(read, min(6, len(read)), replace=False):  # corrupt token, position, chain or fingerprint of a read slot
         slot = rtt[r + 1, prefix[r] - 1 - int(rng.integers(0, min(4, prefix[r])))]
         canary[slot, int(rng.integers(0, 32))] ^= 1 << int(rng.integers(0, 8))
     for p in pools:
@@ -154,9 +184,9 @@ def stamped_engine(seed, *, mode, stride, sources, swa, bs=300, lengths=(0, 0, 1
             p[int(rng.integers(0, p.shape[0])), int(rng.integers(0, p.shape[1]))] ^= 0x40
     long = [r for r in range(bs) if prefix[r] > 100]
     rtt[long[0] + 1, prefix[long[0]] - 20] = num_slots + 3   # out of range (and a predecessor)
-    rtt[long[1] + 1, prefix[long[1]] - 30] = 0               # the padding slot: skipped, chain unchecked after it
+    rtt[long[1] + 1, prefix[long[1]] - 30] = 0               # the padding slot: reported, and as a predecessor
     rpi_v = rpi.copy()
-    rpi_v[rng.random(bs) < 0.05] = 0       # padding rows anywhere: no verify entries
+    rpi_v[rng.random(bs) < 0.05] = 0       # padding rows anywhere: no verify entries (and reported)
     batch = dict(req_pool_indices=rpi_v, prefix_lens=prefix, extend_lens=np.ones(bs, np.int64), req_to_token=rtt)
     kw = dict(swa_window=int(rng.integers(100, 400)), swa_map=np.arange(num_slots + 7, dtype=np.int64)) if swa else {}
     return canary, pools, srcs, batch, kw
@@ -177,8 +207,7 @@ def test_tiled_verify_kernels_equal_reference_on_stamped_state(seed, mode, strid
         sink = kc.ViolationSink.allocate(1 << 16)
         ctx = kc.VerifyContext(kc.CanaryBuffer(canary.copy()), sink, abi.LaunchTag.HEAD_K_FULL,
                                srcs([p.copy() for p in pools]), mode)
-        plan = kc.StepPlan.allocate(bs, 1 << 17)
-        kc.build_plan(on(False, batch), plan, **kw)
+        plan, _ = host_plan(batch, kw, 1 << 17, max_batch=bs)  # padding rows anywhere: rejected on the host
         kc.verify(ctx, plan)
         return sink
 
@@ -203,17 +232,17 @@ def test_tiled_verify_kernels_equal_reference_on_stamped_state(seed, mode, strid
 
     want = effects(host_run())
     assert 0 < want[1] < 200, "a mostly clean state with a few corruptions"
-    assert want[3] > (5000 if engine is None else 500), "enough verified entries to span many warp tiles"
+    assert want[3] > (5000 if engine is None else 100), "enough verified entries to span several tiles"
     assert effects(gpu_run(fused=True)) == want
     assert effects(gpu_run(fused=False)) == want
 
 
-@pytest.mark.parametrize("bs", [32, 33, 95, 1024, 1025])
+@pytest.mark.parametrize("bs", [2, 32, 33, 95, 1024, 1025])
 @pytest.mark.parametrize("swa", [False, True])
-def test_request_major_verify_at_its_batch_edges(bs, swa):
-    """The fused verify of 32..1024 requests runs request-major tasks (kvc_fused_verify_rm): full
-    and partial 32-request groups, the largest batch its shared staging holds and the first one
-    past it (entry-major again), lengths that end mid-task, SWA windows that start mid-task."""
+def test_verify_at_batch_edges(bs, swa):
+    """Block tiles over many short and a few long requests: tiles that start and end mid-request,
+    requests of 0..3 entries inside one tile, SWA windows that start mid-tile, batch sizes around
+    warp and block multiples."""
     engine = stamped_engine(40 + bs, mode=abi.HashMode.PARTIAL, stride=32, sources=[(16, 64, 64)], swa=swa,
                             bs=bs, lengths=(0, 1, 2, 3, 7, 8, 9, 15, 17, 40, 130, 260))
     test_tiled_verify_kernels_equal_reference_on_stamped_state(None, abi.HashMode.PARTIAL, 32, [(16, 64, 64)],
@@ -223,7 +252,7 @@ def test_request_major_verify_at_its_batch_edges(bs, swa):
 def test_fused_verify_on_the_benchmark_shape():
     """Decode bs 256 x 4096 (1M entries) with a decoding allocator's slots (slot(r, p) = 1 + p * bs
     + r, perf/workloads.py's default), PARTIAL, a few flipped record bits and one KV byte: the
-    fused verify (request-major here) reports exactly what the reference does."""
+    fused verify reports exactly what the reference does."""
     bs, n = 256, 4096
     rng = np.random.default_rng(5)
     num_slots = bs * n + 1

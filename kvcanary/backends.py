@@ -1,0 +1,151 @@
+"""Where a KvCanary's state lives and how its small reads and writes happen: the host backend
+(numpy; the reference runs the launches) or the CUDA backend (device memory, the asynchronous
+pump, ring reads on a side stream, sweep staging). :class:`~kvcanary.manager.KvCanary` picks one
+once and never branches on the device again.
+
+Both give: ``zeros``, views of status cells, a pump (``take``/``snapshot``/``drain``), ring rows
+by claim index (a window of the ring: row i lives at ``i % capacity``), the host's ``consumed``
+mark written where the kernels read it, the stream of a step and whether it is capturing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import abi, streams
+from .arrays import from_pointer
+
+
+class HostBackend:
+    """State in host memory; launches run synchronously on the CPU reference."""
+
+    device = None
+    cached_launches = False  # the reference validates and runs every call
+
+    def zeros(self, shape, dtype):
+        return np.zeros(shape, dtype)
+
+    def cells(self, status, start: int, n: int = 1, dtype=np.int64):
+        """``n`` int64 status cells from ``start`` (as int32 [n]: their low halves)."""
+        if np.dtype(dtype) == np.int32:
+            return status[start:start + 1].view(np.int32)[:1]
+        return status[start:start + n]
+
+    def stream(self, stream, batch) -> None:
+        return None
+
+    def capturing(self, stream) -> bool:
+        return False
+
+    def pump(self, status, ring):
+        return HostPump(status)
+
+    def read_rows(self, ring, start: int, stop: int) -> np.ndarray:
+        idx = np.arange(start, stop, dtype=np.int64) % ring.shape[0]
+        return np.array(ring[idx], copy=True)
+
+    def set_consumed(self, status, value: int, stream) -> None:
+        status[abi.STATUS_CONSUMED] = value
+
+    def stage_sweep(self, plan, host: dict, n: int, stream) -> None:
+        for k, a in host.items():
+            getattr(plan, k)[:n] = a
+        plan.num_valid[0], plan.enable[0] = n, 1
+
+
+class HostPump:
+    """The host backend's pump: the status is current after every (synchronous) launch."""
+
+    launches = skipped = in_flight = 0
+
+    def __init__(self, status):
+        self.status = status
+
+    def take(self, meta=None) -> list:
+        return [(self.status.tolist(), meta)]
+
+    def snapshot(self, stream, meta=None) -> bool:
+        return True
+
+    def drain(self, meta=None) -> list:
+        return self.take(meta)
+
+
+class CudaBackend:
+    """State in device memory of one CUDA device (kvcanary-owned allocations)."""
+
+    cached_launches = True  # packed launches replay while the batch's array layout is the same
+
+    def __init__(self, device: int):
+        from . import driver
+        self.device, self.rt = device, driver.runtime(device)
+        self._sweep_staging = self._sweep_done = self._pump = None
+
+    def zeros(self, shape, dtype):
+        from . import memory
+        return memory.zeros(shape, dtype, self.device)
+
+    def cells(self, status, start: int, n: int = 1, dtype=np.int64):
+        """``n`` int64 status cells from ``start``, no copy (int32: the low half of each cell, which
+        is what an int32 [1] array at its address reads; only n = 1 then)."""
+        if np.dtype(dtype) == np.int32:
+            return from_pointer(status.ptr + 8 * start, (1,), np.int32, device=self.device, owner=status)
+        return from_pointer(status.ptr + 8 * start, (n,), np.int64, device=self.device, owner=status)
+
+    def stream(self, stream, batch) -> int:
+        if type(stream) is int:
+            return stream
+        return streams.resolve(stream, (batch.req_pool_indices,) if batch is not None else (), (), self.device)
+
+    def capturing(self, stream: int) -> bool:
+        return self.rt.capturing(stream)
+
+    def pump(self, status, ring):
+        from .pump import Pump
+        self._pump = Pump(status, ring, ring.shape[0], self.device)
+        return self._pump
+
+    def read_rows(self, ring, start: int, stop: int) -> np.ndarray:
+        """Rows of claim indices [start, stop) (complete per a snapshot), in index order; waits
+        only for these copies, on the pump's side stream."""
+        cap = ring.shape[0]
+        if stop <= start:
+            return np.zeros((0, abi.RING_COLS), np.int64)
+        a, b = start % cap, (stop - 1) % cap + 1
+        if a < b:
+            return self._pump.read_ring(a, b)
+        return np.concatenate([self._pump.read_ring(a, cap), self._pump.read_ring(0, b)])
+
+    def set_consumed(self, status, value: int, stream: int) -> None:
+        """The host's consumed mark into the status cell, in stream order: two 32-bit memsets that
+        carry their values (no host buffer that must outlive the call)."""
+        from . import driver
+        d, ptr = driver._driver(), status.ptr + 8 * abi.STATUS_CONSUMED
+        s = driver.PER_THREAD_STREAM if stream is None else stream  # any order is safe: the mark only grows
+        for k, word in enumerate((value & abi.INT32_MASK, (value >> 32) & abi.INT32_MASK)):
+            driver.check(self.rt.call(d.cuMemsetD32Async, ptr + 4 * k, word, 1, self.rt.cu_stream(s)),
+                         "cuMemsetD32Async")
+
+    def stage_sweep(self, plan, host: dict, n: int, stream: int) -> None:
+        """Upload a host sweep plan through pinned memory on ``stream`` (the previous upload has
+        left the staging buffer before it is refilled)."""
+        from . import memory
+        cap = plan.verify_capacity
+        if self._sweep_staging is None:
+            self._sweep_staging = memory.PinnedBuffer((5, cap), np.int64, self.device)
+            self._sweep_done = memory.Event(self.device)
+            self._sweep_done.record(stream)
+        self._sweep_done.synchronize()
+        st = self._sweep_staging.array
+        for row, k in enumerate(("slot", "expected_position", "prev_slot", "expected_token")):
+            st[row, :n] = host[k]
+            memory.copy_async(getattr(plan, k).ptr, self._sweep_staging.ptr + row * 8 * cap, 8 * n, stream, self.device)
+        st[4, 0], st[4, 1] = n, 1  # little-endian: the low int32 of each cell is the value
+        cells = self._sweep_staging.ptr + 4 * cap * 8
+        memory.copy_async(plan.num_valid.ptr, cells, 4, stream, self.device)
+        memory.copy_async(plan.enable.ptr, cells + 8, 4, stream, self.device)
+        self._sweep_done.record(stream)
+
+
+def for_device(device: int | None):
+    return HostBackend() if device is None else CudaBackend(device)
