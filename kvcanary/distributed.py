@@ -103,63 +103,54 @@ class RankViolation:
                                       source_rank=self.source_rank, **extra)
 
 
-class _HostGather:
-    """All-gather of a [width] int64 vector into [world, width] with CPU tensors (gloo and other
-    host backends): :meth:`issue` starts it as the group's background work, :meth:`result` waits."""
+class _Gather:
+    """Double-buffered all-gather of a [width] int64 vector into [world, width]. Host backends
+    (gloo): CPU tensors; :meth:`issue` starts the group's background work, :meth:`result` waits.
+    NCCL (``device`` given): the vector goes from pinned memory to the device, is gathered and
+    comes back to pinned memory, all on a side stream of that device (never the engine's stream);
+    :meth:`result` waits on an event recorded behind the copy back."""
 
-    def __init__(self, torch, dist, group, world: int, width: int):
-        self.dist, self.group, self.world, self.width = dist, group, world, width
+    def __init__(self, torch, dist, group, world: int, width: int, device: int | None = None):
+        self.torch, self.group, self.world, self.width, self.device = torch, group, world, width, device
         self.gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        self.send = [torch.zeros(width, dtype=torch.int64) for _ in range(2)]
-        self.recv = [torch.zeros(world * width, dtype=torch.int64) for _ in range(2)]
+        pin, i64 = device is not None, torch.int64
+        self.send = [torch.zeros(width, dtype=i64, pin_memory=pin) for _ in range(2)]
+        self.recv = [torch.zeros(world * width, dtype=i64, pin_memory=pin) for _ in range(2)]
         self.work = [None, None]
+        if device is not None:
+            dev = torch.device("cuda", device)
+            self.stream = torch.cuda.Stream(dev)
+            self.dev_send = [torch.zeros(width, dtype=i64, device=dev) for _ in range(2)]
+            self.dev_recv = [torch.zeros(world * width, dtype=i64, device=dev) for _ in range(2)]
+            self.events = [torch.cuda.Event() for _ in range(2)]
+            torch.cuda.synchronize(dev)  # the zero fills ran on the current stream, not the side one
 
     def buffer(self, slot: int) -> np.ndarray:
         return self.send[slot].numpy()
 
     def issue(self, slot: int) -> None:
-        self.work[slot] = self.gather(self.recv[slot], self.send[slot], group=self.group, async_op=True)
-
-    def result(self, slot: int) -> np.ndarray:
-        work, self.work[slot] = self.work[slot], None
-        try:
-            work.wait()
-        except RuntimeError as exc:
-            raise KvCanaryError(f"kv-canary: tensor-parallel exchange failed, expected every rank of the "
-                                f"group to call exchange(), got {type(exc).__name__}: {exc}. Fix: look for a "
-                                f"rank that exited or hung; every rank must call exchange() once per step") from exc
-        return self.recv[slot].numpy().reshape(self.world, self.width).copy()
-
-
-class _CudaGather(_HostGather):
-    """The same over NCCL: the vector goes from pinned host memory to the rank's device, is
-    gathered and comes back to pinned memory, all on a side stream of that device (never the
-    engine's stream); :meth:`result` waits on an event recorded behind the copy back."""
-
-    def __init__(self, torch, dist, group, world: int, width: int, device: int):
-        self.torch, self.dist, self.group, self.world, self.width = torch, dist, group, world, width
-        self.gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        dev = torch.device("cuda", device)
-        with torch.cuda.device(dev):
-            self.stream = torch.cuda.Stream(dev)
-            self.send = [torch.zeros(width, dtype=torch.int64, pin_memory=True) for _ in range(2)]
-            self.host_recv = [torch.zeros(world * width, dtype=torch.int64, pin_memory=True) for _ in range(2)]
-            self.dev_send = [torch.zeros(width, dtype=torch.int64, device=dev) for _ in range(2)]
-            self.dev_recv = [torch.zeros(world * width, dtype=torch.int64, device=dev) for _ in range(2)]
-            self.events = [torch.cuda.Event() for _ in range(2)]
-            torch.cuda.synchronize(dev)  # the zero fills above ran on the current stream
-
-    def issue(self, slot: int) -> None:
+        if self.device is None:
+            self.work[slot] = self.gather(self.recv[slot], self.send[slot], group=self.group, async_op=True)
+            return
         with self.torch.cuda.stream(self.stream):
             self.dev_send[slot].copy_(self.send[slot], non_blocking=True)
             work = self.gather(self.dev_recv[slot], self.dev_send[slot], group=self.group, async_op=True)
             work.wait()  # the side stream waits for the collective; the host does not
-            self.host_recv[slot].copy_(self.dev_recv[slot], non_blocking=True)
+            self.recv[slot].copy_(self.dev_recv[slot], non_blocking=True)
             self.events[slot].record(self.stream)
 
     def result(self, slot: int) -> np.ndarray:
-        self.events[slot].synchronize()
-        return self.host_recv[slot].numpy().reshape(self.world, self.width).copy()
+        if self.device is not None:
+            self.events[slot].synchronize()
+        else:
+            work, self.work[slot] = self.work[slot], None
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                raise KvCanaryError(f"kv-canary: tensor-parallel exchange failed, expected every rank of the "
+                                    f"group in exchange(), got {type(exc).__name__}: {exc}. Fix: look for a rank "
+                                    f"that exited or hung; every rank must call exchange() once per step") from exc
+        return self.recv[slot].numpy().reshape(self.world, self.width).copy()
 
 
 class TensorParallelAggregator:
@@ -204,11 +195,10 @@ class TensorParallelAggregator:
         self.export = export
         self.width = len(HEADER) + len(STATS) + rows_per_step * len(ROW)
         self.backend = str(dist.get_backend(group)).lower()
-        if self.backend == "nccl":
+        device = None
+        if self.backend == "nccl":  # CUDA tensors on the rank's device ("cpu:gloo,cuda:nccl" stays on the host)
             device = canary.device if getattr(canary, "device", None) is not None else torch.cuda.current_device()
-            self._gather = _CudaGather(torch, dist, group, self.world_size, self.width, int(device))
-        else:
-            self._gather = _HostGather(torch, dist, group, self.world_size, self.width)
+        self._gather = _Gather(torch, dist, group, self.world_size, self.width, device)
         self.exchanges = 0      # exchange() calls so far (the same on every rank)
         self.reported = 0       # rows reported here (logged or raised), from every rank
         self.matrix = None      # the newest consumed gather: int64 [world_size, width]

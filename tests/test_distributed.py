@@ -44,12 +44,13 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-def _session_run(rank, group, *, fault_rank=None, corrupt=None, fault_at=4, **agg_kw):
-    """The scripted session with an exchange after every engine step; returns what this rank saw."""
+def _session_run(rank, group, *, device=None, fault_rank=None, corrupt=None, fault_at=4, **agg_kw):
+    """The scripted session with an exchange after every engine step; returns what this rank saw.
+    ``device``: None (reference backend) or the rank's CUDA device."""
     from kvcanary.distributed import TensorParallelAggregator
     from kvcanary.errors import CanaryViolationError
     from tests.session import Session
-    sess = Session()
+    sess = Session(device)
     aggregated = []
     agg = TensorParallelAggregator(sess.canary, group, export=aggregated.append, **agg_kw)
     lines = _Lines()
@@ -80,19 +81,19 @@ def _session_run(rank, group, *, fault_rank=None, corrupt=None, fault_at=4, **ag
             "local_stats": sess.canary.stats(), "local_step": sess.canary.step, "agg_stats": agg.stats()}
 
 
-def _stopped_run(rank, group):
-    """Rank 2's canary stops after step 2 (the rank keeps exchanging); rank 1's own health check
-    fails from exchange 8 on. Returns the unhealthy ranks seen after each exchange."""
+def _stopped_run(rank, group, *, device=None, stop_rank=2, health_rank=1):
+    """``stop_rank``'s canary stops after step 2 (the rank keeps exchanging); ``health_rank``'s own
+    health check fails from exchange 8 on. Returns the unhealthy ranks seen after each exchange."""
     from kvcanary.distributed import TensorParallelAggregator
     from kvcanary.errors import KvCanaryError
     from tests.session import Session
-    sess = Session()
+    sess = Session(device)
     agg = TensorParallelAggregator(sess.canary, group, stale_steps=2)
     seen = []
     for k in range(11):
-        if not (rank == 2 and k > 2):
+        if not (rank == stop_rank and k > 2):
             sess.step([(1, [100, 101, 102, 103])] if k == 0 else [(1, [104 + k])])
-        if rank == 1 and k == 8:
+        if rank == health_rank and k == 8:
             def failing():
                 raise KvCanaryError("kv-canary: health check failed (injected)")
             sess.canary.health_check = failing
