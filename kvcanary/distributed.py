@@ -163,6 +163,7 @@ class TensorParallelAggregator:
     rank that raised alone would leave the others waiting in the collective). ``lag``: 1 (consume
     each gather one exchange later) or 0 (wait for it). ``export``: a callable that gets every
     aggregated violation record (the source rank's record plus ``source_rank``, ``reported_at``).
+    Every rank must pass the same ``rows_per_step`` (it sets the size of the gathered vector).
     """
 
     def __init__(self, canary, group=None, *, rank: int | None = None, world_size: int | None = None,
@@ -285,7 +286,7 @@ class TensorParallelAggregator:
         self.matrix = matrix
         start = len(HEADER) + len(STATS)
         found = [RankViolation.from_row(matrix[r, start + j * len(ROW):start + (j + 1) * len(ROW)], r)
-                 for r in range(self.world_size) for j in range(int(matrix[r, COL["rows"]]))]
+                 for r in range(self.world_size) for j in range(min(int(matrix[r, COL["rows"]]), self.rows_per_step))]
         if not found:
             return
         self.reported += len(found)
@@ -299,7 +300,8 @@ class TensorParallelAggregator:
 
     # ---- the group's view ------------------------------------------------------------------------
     def unhealthy_ranks(self) -> dict[int, str]:
-        """Rank -> why, as of the newest consumed gather (the same answer on every rank)."""
+        """Rank -> why, as of the newest consumed gather: the same ranks on every rank (a rank whose
+        own health check failed adds its error text there)."""
         if self.matrix is None:
             return {}
         steps, flags = self.matrix[:, COL["step"]], self.matrix[:, COL["flags"]]

@@ -172,6 +172,11 @@ def ranks(tmp_path_factory):
     return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
+def strip(records):
+    """Aggregated records without the keys the aggregator adds: the source rank's records."""
+    return [{k: v for k, v in r.items() if k not in ("source_rank", "reported_at")} for r in records]
+
+
 def scenario(ranks, name):
     out = [r[name] for r in ranks]
     for rank, o in enumerate(out):
@@ -201,7 +206,7 @@ def test_a_fault_on_one_rank_is_logged_on_every_rank_in_the_same_step_with_its_r
     truth = out[1]["local"]  # what rank 1's own canary reported
     assert truth and {r["step"] for r in truth} >= {4} and out[0]["local"] == out[2]["local"] == []
     for o in out:
-        assert [{k: v for k, v in r.items() if k not in ("source_rank", "reported_at")} for r in o["aggregated"]] == truth
+        assert strip(o["aggregated"]) == truth
         assert {r["source_rank"] for r in o["aggregated"]} == {1}
         assert [r["reported_at"] for r in o["aggregated"]] == [r["step"] + 1 for r in truth]  # lag 1
         assert len(o["lines"]) == len(truth)
@@ -230,7 +235,7 @@ def test_rows_beyond_rows_per_step_follow_in_later_exchanges_in_order(ranks):
     assert per_step[3] > 1  # more rows in one step than rows_per_step=1 ships
     for o in out:
         got = o["aggregated"]
-        assert [{k: v for k, v in r.items() if k not in ("source_rank", "reported_at")} for r in got] == truth
+        assert strip(got) == truth
         at = [r["reported_at"] for r in got]
         assert at[:3] == [4, 5, 6] and at == sorted(at)  # one per exchange, then the flush drains the rest
         assert o["agg_stats"]["violations"] == out[0]["local_stats"]["violations"]

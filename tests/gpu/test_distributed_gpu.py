@@ -21,7 +21,7 @@ from datetime import timedelta
 import numpy as np
 import pytest
 
-from tests.test_distributed import _flip_kv, _session_run, _stopped_run
+from tests.test_distributed import _flip_kv, _session_run, _stopped_run, strip
 
 pytestmark = pytest.mark.gpu
 
@@ -139,10 +139,6 @@ def scenario(ranks, name):
     for rank, o in enumerate(out):
         assert "error" not in o, f"rank {rank}:\n{o['error']}"
     return out
-
-
-def strip(records):
-    return [{k: v for k, v in r.items() if k not in ("source_rank", "reported_at")} for r in records]
 
 
 def test_clean_nccl_run_reports_nothing_and_every_rank_sees_every_ranks_counters(ranks):
