@@ -182,7 +182,13 @@ class DeviceRuntime:
         finally:
             self.leave(pushed)
         if int(err) != 0:
-            raise DriverError(f"cuLaunchKernel({name}, grid={grid}, block={block})", err.name)
+            hint = ""
+            if int(err) in _CONTEXT_ERRORS:  # refused in this device's own context: the stream
+                hint = (f"expected a stream of cuda:{self.ordinal} (the device of the launch's arrays), "
+                        f"got stream 0x{int(s):x}, which this device's context refuses (a stream of "
+                        f"another device, or a destroyed one). Fix: pass a stream created on "
+                        f"cuda:{self.ordinal}, e.g. under torch.cuda.device({self.ordinal})")
+            raise DriverError(f"cuLaunchKernel({name}, grid={grid}, block={block})", err.name, hint)
 
     def capturing(self, stream: int) -> bool:
         """Whether ``stream`` is being captured into a CUDA graph (any status but NONE). One

@@ -6,6 +6,9 @@ owns the arrays (torch's raw current stream without the public call's overhead, 
 stream), then a stream a ``__cuda_array_interface__`` v3 producer named, and finally the per-thread
 default stream. The legacy stream 0 is never chosen implicitly: work there escapes CUDA-graph
 capture silently. Frameworks are looked up in ``sys.modules``, never imported.
+
+A launch goes to the device that owns its arrays: :func:`resolve` refuses a launch whose arrays
+do not all live on the device it was asked for (every launch path of kvcanary.ops calls it).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any, Iterable
 
 from .arrays import ArrayView
 from .driver import PER_THREAD_STREAM
-from .errors import ValidationTypeError
+from .errors import ValidationError, ValidationTypeError
 
 
 def stream_handle(stream: Any) -> int:
@@ -43,8 +46,23 @@ def _framework_stream(objs: Iterable[Any], device: int) -> int | None:
     return None
 
 
+def on_device(views: Iterable[ArrayView | None], device: int) -> None:
+    """Raise unless every view (None entries skipped) lives on CUDA device ``device``."""
+    for v in views:
+        if v is not None and v.device != device:
+            where = "host memory" if v.device is None else f"cuda:{v.device}"
+            raise ValidationError(
+                f"kv-canary: every array of one launch must live on the launch's device, expected "
+                f"cuda:{device} (the canary state's device), got an array on {where} ({v.describe()}). "
+                f"Fix: allocate it on cuda:{device}, e.g. t.to('cuda:{device}'), or build the canary "
+                f"state on the device of the arrays")
+
+
 def resolve(stream: Any, objs: Iterable[Any], views: Iterable[ArrayView | None], device: int) -> int:
-    """The stream handle for a launch on ``device`` over the user arrays ``objs``."""
+    """The stream handle for a launch on ``device`` over the user arrays ``objs`` whose views are
+    ``views`` (each must live on ``device``: ValidationError otherwise, see :func:`on_device`)."""
+    views = tuple(views)
+    on_device(views, device)
     if stream is not None:
         return stream_handle(stream)
     found = _framework_stream(objs, device)
