@@ -216,8 +216,8 @@ def run_campaign(classes=CLASSES, modes=MODES, injections: int = 3, *, backend: 
         raise ValidationTypeError(f"kv-canary: injections must be an int, got {type(injections).__name__}. "
                                   f"Fix: pass a count such as 5")
     if injections < 1:
-        raise ValidationError(f"kv-canary: --injections must be >= 1 (seeded injections per class x mode), "
-                              f"got {injections}. Fix: --injections 5")
+        raise ValidationError(f"kv-canary: --injections must be >= 1, got {injections} (a campaign that "
+                              f"injects nothing proves nothing). Fix: --injections 5")
     jobs = resolve_jobs(jobs, backend)
     pairs = [(c, m) for c in classes for m in modes if coverage(c, m)[0]]
     tasks = [(c, m, seed_for(seed, c, m, i)) for c, m in pairs for i in range(injections)]
