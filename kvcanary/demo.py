@@ -76,12 +76,6 @@ def parse_list(text: str, allowed: tuple[str, ...], flag: str, example: str) -> 
     return list(dict.fromkeys(canon[w.lower()] for w in words))
 
 
-def _at_least(value: int, low: int, flag: str, fix: str) -> int:
-    if value < low:
-        raise ValidationError(f"kv-canary: {flag} must be >= {low}, got {value}. Fix: {fix}")
-    return value
-
-
 def run(args: argparse.Namespace, out=sys.stdout) -> int:
     """Run the campaign and the clean run; 0 when every exercised covered injection was caught
     and the clean run reported nothing, 1 otherwise. Bad flags raise ValidationError before any
@@ -90,8 +84,10 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     from .sim.faults import CLASSES, MODES
     classes = parse_list(args.classes, CLASSES, "--classes", "K1,K5,K12")
     modes = parse_list(args.modes, MODES, "--modes", "partial,all")
-    _at_least(args.injections, 1, "--injections", "--injections 5 (seeded injections per class x mode)")
-    _at_least(args.clean_slots, 0, "--clean-slots", "--clean-slots 0 skips the clean run")
+    campaign.check_injections(args.injections)
+    if args.clean_slots < 0:
+        raise ValidationError(f"kv-canary: --clean-slots must be >= 0, got {args.clean_slots}. Fix: a slot "
+                              f"count such as 1000000, or --clean-slots 0 to skip the clean run")
     backend = pick_backend(args.backend)
     jobs = campaign.resolve_jobs(args.jobs, backend)
     progress = report.Progress(None if args.progress == "auto" else args.progress == "on")

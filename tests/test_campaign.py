@@ -215,3 +215,18 @@ def test_reduced_campaign_and_clean_run_on_the_gpu():
     assert all(c["detected"] >= 1 for c in res["cells"].values() if c["covered"]), format_table(res)
     clean = campaign.clean_run(10**6, hash_mode="all", backend="gpu", seed=3)
     assert clean["verified_slots"] >= 10**6 and clean["false_positives"] == 0, clean["first_false_positives"]
+
+
+def test_heat_map_has_axis_titles_a_colour_bar_and_a_legend(tmp_path):
+    pytest.importorskip("matplotlib")
+    from kvcanary.sim.report import heatmap, heatmap_figure
+    res = campaign.run_campaign(["K3", "K12"], ["none", "all"], injections=1, seed=4)
+    fig = heatmap_figure(res)
+    ax, bar = fig.axes                                   # the matrix and its colour bar
+    assert ax.get_xlabel().startswith("hash mode") and ax.get_ylabel().startswith("fault class")
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["none", "all"]
+    assert "detection rate" in bar.get_ylabel() and bar.get_ylim() == (0.0, 1.0)
+    (legend,) = fig.legends
+    assert "not covered" in legend.get_texts()[0].get_text()
+    assert "not covered" in [t.get_text() for t in ax.texts]   # K12 in none
+    assert heatmap(res, str(tmp_path / "c.png")) == str(tmp_path / "c.png") and (tmp_path / "c.png").stat().st_size

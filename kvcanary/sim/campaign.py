@@ -203,6 +203,18 @@ def _run_tasks(tasks: list[tuple[str, str, int]], *, backend: str, report: str, 
     return records
 
 
+def check_injections(injections) -> int:
+    """``injections`` if it is a count >= 1; else ValidationError / ValidationTypeError (a campaign
+    that injects nothing proves nothing and must not report success)."""
+    if isinstance(injections, bool) or not isinstance(injections, (int, np.integer)):
+        raise ValidationTypeError(f"kv-canary: injections must be an int, got {type(injections).__name__}. "
+                                  f"Fix: pass a count such as 5")
+    if injections < 1:
+        raise ValidationError(f"kv-canary: --injections must be >= 1, got {injections} (a campaign that "
+                              f"injects nothing proves nothing). Fix: --injections 5")
+    return int(injections)
+
+
 def run_campaign(classes=CLASSES, modes=MODES, injections: int = 3, *, backend: str = "cpu",
                  seed: int = 0, report: str = "log", progress=None, jobs: int = 1) -> dict:
     """Every class x mode: ``injections`` seeded injections (covered pairs only); returns a dict
@@ -210,14 +222,8 @@ def run_campaign(classes=CLASSES, modes=MODES, injections: int = 3, *, backend: 
 
     ``jobs`` > 1 runs the injections in that many spawned worker processes (0: one per CPU); the
     result is the same as with ``jobs=1``. A worker re-imports the ``__main__`` module, so a script
-    calling this with ``jobs`` > 1 needs an ``if __name__ == "__main__":`` guard. ``injections``
-    < 1 is a ValidationError (a campaign that injects nothing must not report success)."""
-    if isinstance(injections, bool) or not isinstance(injections, (int, np.integer)):
-        raise ValidationTypeError(f"kv-canary: injections must be an int, got {type(injections).__name__}. "
-                                  f"Fix: pass a count such as 5")
-    if injections < 1:
-        raise ValidationError(f"kv-canary: --injections must be >= 1, got {injections} (a campaign that "
-                              f"injects nothing proves nothing). Fix: --injections 5")
+    calling this with ``jobs`` > 1 needs an ``if __name__ == "__main__":`` guard."""
+    check_injections(injections)
     jobs = resolve_jobs(jobs, backend)
     pairs = [(c, m) for c in classes for m in modes if coverage(c, m)[0]]
     tasks = [(c, m, seed_for(seed, c, m, i)) for c, m in pairs for i in range(injections)]
