@@ -169,7 +169,7 @@ def compile_notice(archs, cache_dir: Path | None) -> str:
     where = (f"cached in {cache_dir} for the next import" if cache_dir is not None
              else "not cached: KVCANARY_CACHE=0 compiles at every import")
     return (f"kvcanary: compiling the CUDA kernels with NVRTC for {', '.join(f'sm_{a}' for a in archs)} "
-            f"(a few seconds per arch on one core; {where}). To compile fewer, set KVCANARY_ARCHS to "
+            f"(about 2 s of CPU per arch; {where}). To compile fewer, set KVCANARY_ARCHS to "
             f"your GPUs' archs, e.g. KVCANARY_ARCHS=90; KVCANARY_CACHE_DIR picks the cache directory.")
 
 
