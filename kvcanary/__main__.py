@@ -1,26 +1,47 @@
-"""Command line: ``python -m kvcanary doctor`` | ``python -m kvcanary demo [...]``."""
+"""kvcanary's command line: ``doctor`` (what is installed, compiled and answering) and ``demo``
+(the fault-injection campaign). Run it as ``python -m kvcanary`` or as the ``kvcanary`` script."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvcanary", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("doctor", help="versions, compiled archs, cache, GPUs and a launch round-trip")
+def prog_name(argv0: str | None = None) -> str:
+    """The name the user typed: ``kvcanary`` for the console script, else ``python -m kvcanary``
+    (``-m`` puts this file's path in argv[0])."""
+    argv0 = sys.argv[0] if argv0 is None else argv0
+    return "kvcanary" if os.path.splitext(os.path.basename(argv0))[0] == "kvcanary" else "python -m kvcanary"
+
+
+def build_parser(prog: str) -> argparse.ArgumentParser:
+    from . import __version__, abi
     from .demo import add_arguments
+    parser = argparse.ArgumentParser(prog=prog, description="kvcanary: a canary for the paged KV cache "
+                                     "of LLM serving engines.")
+    parser.add_argument("--version", action="version",
+                        version=f"kvcanary {__version__} (canary format v{abi.FORMAT_VERSION})")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{doctor,demo}")
+    sub.add_parser("doctor", help="versions, compiled archs, cache, GPUs and a launch round-trip",
+                   description="Print versions, compiled archs, the compile cache, the GPUs and a launch "
+                               "round-trip; exit 1 when something needed is broken.")
     add_arguments(sub.add_parser("demo", help="inject the fault classes K1-K13 into a simulated serving "
-                                 "engine and print what the canary caught (GPU if found, else CPU)"))
-    args = parser.parse_args(argv)
+                                 "engine and print what the canary caught (GPU if found, else CPU)",
+                                 description="Inject the fault classes K1-K13 into a "
+                                 "simulated serving engine and print what the canary caught, per class "
+                                 "and hash mode; exit 1 on a miss or a false positive."))
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    prog = prog or prog_name()
+    args = build_parser(prog).parse_args(argv)
     if args.command == "doctor":
         from .doctor import run
         return run()
-    if args.command == "demo":
-        from .demo import run
-        return run(args)
-    return 2
+    from .demo import run_cli
+    return run_cli(args, f"{prog} demo")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@
 compiles them. NVRTC needs no driver and no GPU, so this runs on CPU-only machines (and in CI).
 Cubins, not PTX: a driver older than NVRTC rejects its PTX but loads its cubins. Never calls cuInit.
 Environment: ``KVCANARY_ARCHS`` (comma-separated, e.g. "80,90"; default :data:`DEFAULT_ARCHS`).
+A cold compile (nothing in the cache) first prints one line on stderr saying so; a warm import
+prints nothing.
 """
 
 from __future__ import annotations
@@ -141,9 +143,10 @@ def compile_cubin(sources: dict[str, str], prelude: str, arch: int,
         nvrtc.nvrtcDestroyProgram(prog)
 
 
-@dataclass
+@dataclass(repr=False)
 class CompiledKernels:
-    """Cubins by arch plus what the doctor reports about how they were obtained."""
+    """Cubins by arch plus what the doctor reports about how they were obtained. Its repr names
+    the archs and cubin sizes, never the cubin bytes (megabytes)."""
 
     cubins: dict[int, bytes]
     nvrtc: str  # nvrtc_identity(): what the cache key names
@@ -152,6 +155,22 @@ class CompiledKernels:
     misses: int
     skipped_archs: tuple[int, ...] = ()
     keys: dict[int, str] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"sm_{a}: {len(c) / 1e6:.2f} MB" for a, c in sorted(self.cubins.items()))
+        keys = ", ".join(f"sm_{a}: {k[:12]}…" for a, k in sorted(self.keys.items()))
+        return (f"CompiledKernels(cubins={{{sizes}}}, nvrtc={self.nvrtc!r}, cache_dir="
+                f"{str(self.cache_dir) if self.cache_dir else None!r}, hits={self.hits}, misses={self.misses}, "
+                f"skipped_archs={self.skipped_archs}, keys={{{keys}}})")
+
+
+def compile_notice(archs, cache_dir: Path | None) -> str:
+    """The one stderr line printed before a cold compile: what runs, why, and how to avoid it."""
+    where = (f"cached in {cache_dir} for the next import" if cache_dir is not None
+             else "not cached: KVCANARY_CACHE=0 compiles at every import")
+    return (f"kvcanary: compiling the CUDA kernels with NVRTC for {', '.join(f'sm_{a}' for a in archs)} "
+            f"(about 2 s of CPU per arch; {where}). To compile fewer, set KVCANARY_ARCHS to "
+            f"your GPUs' archs, e.g. KVCANARY_ARCHS=90; KVCANARY_CACHE_DIR picks the cache directory.")
 
 
 def load_kernels(archs: tuple[int, ...] | None = None, cache: CubinCache | None = None) -> CompiledKernels:
@@ -177,6 +196,8 @@ def load_kernels(archs: tuple[int, ...] | None = None, cache: CubinCache | None 
                           f"(supported: {sorted(available)}). Fix: set KVCANARY_ARCHS to supported "
                           f"archs or upgrade nvidia-cuda-nvrtc.", RuntimeWarning, stacklevel=2)
         todo = [a for a in todo if a in available]
+        if todo:
+            print(compile_notice(todo, cache.directory), file=sys.stderr, flush=True)
         from concurrent.futures import ThreadPoolExecutor  # only on a cache miss
         with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1)) as pool:
             for a, cubin in zip(todo, pool.map(lambda a: compile_cubin(sources, prelude, a), todo)):

@@ -1,10 +1,12 @@
-"""``python -m kvcanary demo``: inject every fault class of FAULTS.md into a simulated paged-KV
+"""``python -m kvcanary demo``: inject every fault class of docs/faults.md into a simulated paged-KV
 serving engine guarded by a KvCanary and print what the canary caught, class x hash mode.
 
 Runs on the GPU when the CUDA driver finds one (``--backend auto``), else on the CPU reference
-backend; the default run takes well under a minute on a 2-core CPU machine. ``--jobs N`` runs the
-independent injections (and N clean runs that share the clean-run slot count) in N spawned worker
-processes. ``--out DIR`` also writes ``campaign.json`` and, with matplotlib installed, ``campaign.png``.
+backend. ``--jobs`` (default ``auto``: one worker process per usable CPU on the CPU backend, none
+on the GPU) runs the independent injections, and that many clean runs sharing the clean-run slot
+count, in spawned worker processes. ``--out DIR`` also writes ``campaign.json`` and, with
+matplotlib installed, ``campaign.png``. Bad flags raise :class:`~kvcanary.errors.ValidationError`
+(the command line prints it as one line and exits 2).
 """
 
 from __future__ import annotations
@@ -13,56 +15,81 @@ import argparse
 import os
 import sys
 
+from .errors import NoCudaDriverError, ValidationError
+
+EVERY = "every"  # --modes / --classes: every hash mode / every class
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--injections", type=int, default=5, help="seeded injections per class x mode (default 5)")
-    p.add_argument("--classes", default="all", help="comma-separated classes, e.g. K1,K5,K12 (default all)")
-    p.add_argument("--modes", default="none,partial,all", help="comma-separated hash modes (default all three)")
+    p.add_argument("--injections", type=int, default=5, metavar="N",
+                   help="seeded injections per class x mode, >= 1 (default 5)")
+    p.add_argument("--classes", default=EVERY,
+                   help="comma-separated fault classes, e.g. K1,K5,K12 (default every: K1..K13)")
+    p.add_argument("--modes", default=EVERY,
+                   help="comma-separated hash modes: none, partial, all (all = hash mode ALL alone); "
+                        "default every = none,partial,all")
     p.add_argument("--backend", choices=("auto", "cpu", "gpu"), default="auto",
                    help="gpu if a CUDA device answers, else the CPU reference (default auto)")
     p.add_argument("--out", default=None, metavar="DIR", help="also write campaign.json (and campaign.png)")
-    p.add_argument("--clean-slots", type=int, default=1_000_000,
-                   help="verified slots of the clean run that counts false positives (0: skip)")
+    p.add_argument("--clean-slots", type=int, default=1_000_000, metavar="N",
+                   help="verified slots of the clean run that counts false positives (0: skip it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report", choices=("log", "raise"), default="log",
                    help="how violations reach the campaign: export callback or CanaryViolationError")
     p.add_argument("--progress", choices=("auto", "on", "off"), default="auto")
-    p.add_argument("--jobs", type=int, default=1, metavar="N",
-                   help="worker processes for the injections and the clean run (default 1: none; "
-                        "0: one per CPU)")
+    p.add_argument("--jobs", default="auto", metavar="N",
+                   help="worker processes for the injections and the clean run: auto (default: one per "
+                        "usable CPU on the CPU backend, none on the GPU), 0 (one per usable CPU), "
+                        "1 (none: run in this process) or a count")
 
 
 def pick_backend(choice: str) -> str:
-    if choice != "auto":
-        return choice
+    """"cpu" or "gpu" for ``--backend``; "gpu" with no usable GPU is a ValidationError."""
+    if choice == "cpu":
+        return "cpu"
     from . import driver
     from .errors import KvCanaryError
     try:
-        return "gpu" if driver.device_count() > 0 else "cpu"
-    except KvCanaryError:
-        return "cpu"
+        reason = None if driver.device_count() > 0 else "the CUDA driver reports 0 devices"
+    except NoCudaDriverError:
+        reason = "no CUDA driver (libcuda) on this machine"
+    except KvCanaryError as exc:
+        reason = str(exc).splitlines()[0].removeprefix("kv-canary: ")
+    if choice == "auto" or reason is None:
+        return "cpu" if reason else "gpu"
+    raise ValidationError(f"kv-canary: --backend gpu needs a CUDA GPU, got none: {reason}. Fix: --backend "
+                          f"cpu (the CPU reference backend), or --backend auto to use a GPU when one answers")
 
 
-def _split(text: str, allowed: tuple, what: str) -> list[str]:
-    items = list(allowed) if text == "all" else [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x in items if x not in allowed]
-    if bad or not items:
-        raise SystemExit(f"kv-canary: --{what} takes a comma-separated subset of {','.join(allowed)}, "
-                         f"got {text!r}")
-    return items
+def parse_list(text: str, allowed: tuple[str, ...], flag: str, example: str) -> list[str]:
+    """The items of ``allowed`` that the comma-separated ``text`` names, in the order given,
+    duplicates dropped, case-insensitive; ``every`` alone names all of ``allowed``."""
+    canon = {a.lower(): a for a in allowed}
+    words = [w.strip() for w in str(text).split(",") if w.strip()]
+    if [w.lower() for w in words] == [EVERY]:
+        return list(allowed)
+    bad = [w for w in words if w.lower() not in canon]
+    if bad or not words:
+        got = f"unknown {', '.join(repr(w) for w in bad)} in {text!r}" if bad else f"{text!r}"
+        raise ValidationError(f"kv-canary: {flag} takes a comma-separated list of {', '.join(allowed)} "
+                              f"(or '{EVERY}' for all of them), got {got}. Fix: e.g. {flag} {example}")
+    return list(dict.fromkeys(canon[w.lower()] for w in words))
 
 
 def run(args: argparse.Namespace, out=sys.stdout) -> int:
     """Run the campaign and the clean run; 0 when every exercised covered injection was caught
-    and the clean run reported nothing."""
+    and the clean run reported nothing, 1 otherwise. Bad flags raise ValidationError before any
+    work starts."""
     from .sim import campaign, report
     from .sim.faults import CLASSES, MODES
-    classes, modes = _split(args.classes, CLASSES, "classes"), _split(args.modes, MODES, "modes")
-    try:
-        jobs = campaign.resolve_jobs(args.jobs)
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from None
+    classes = parse_list(args.classes, CLASSES, "--classes", "K1,K5,K12")
+    modes = parse_list(args.modes, MODES, "--modes", "partial,all")
+    campaign.check_injections(args.injections)
+    if args.clean_slots < 0:
+        raise ValidationError(f"kv-canary: --clean-slots must be >= 0, got {args.clean_slots}. Fix: a slot "
+                              f"count such as 1000000, or --clean-slots 0 to skip the clean run")
     backend = pick_backend(args.backend)
+    jobs = campaign.resolve_jobs(args.jobs, backend)
     progress = report.Progress(None if args.progress == "auto" else args.progress == "on")
     print(f"kvcanary demo: {len(classes)} class(es) x {len(modes)} mode(s), {args.injections} injection(s) "
           f"each, backend {backend}" + (f", {jobs} worker processes" if jobs > 1 else ""), file=out, flush=True)
@@ -84,10 +111,21 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     return 0 if ok else 1
 
 
+def run_cli(args: argparse.Namespace, prog: str) -> int:
+    """:func:`run` for a command line: a bad flag (or ``--backend gpu`` without a GPU) prints one
+    line on stderr and returns 2 instead of a traceback."""
+    try:
+        return run(args)
+    except (ValidationError, NoCudaDriverError) as exc:
+        print(f"{prog}: error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvcanary demo", description=__doc__)
+    prog = "python -m kvcanary.demo"
+    p = argparse.ArgumentParser(prog=prog, description=__doc__)
     add_arguments(p)
-    return run(p.parse_args(argv))
+    return run_cli(p.parse_args(argv), prog)
 
 
 if __name__ == "__main__":

@@ -24,13 +24,17 @@ def run(out=sys.stdout) -> int:
     say("kvcanary", kvcanary.__version__)
     say("format", f"v{abi.FORMAT_VERSION} (SGLang KV canary compatible)")
     say("cuda-bindings", _version("cuda-bindings"))
-    major, minor = kvcanary._compile.nvrtc_version()
-    say("NVRTC", f"{major}.{minor} ({c.nvrtc})")
+    status = 0
+    try:
+        major, minor = kvcanary._compile.nvrtc_version()
+        say("NVRTC", f"{major}.{minor} ({c.nvrtc})")
+    except Exception as exc:  # a broken install: libnvrtc missing; say so instead of a traceback
+        say("NVRTC", f"error: {type(exc).__name__}: {str(exc).splitlines()[0]} (fix: pip install nvidia-cuda-nvrtc)")
+        status = 1
     say("archs compiled", ", ".join(f"sm_{a}" for a in sorted(c.cubins)))
     if c.skipped_archs:
         say("archs skipped", ", ".join(f"sm_{a}" for a in c.skipped_archs))
     say("compile cache", f"{c.cache_dir or 'disabled (memory only)'}; import: {c.hits} hit(s), {c.misses} miss(es)")
-    status = 0
     try:
         n = driver.device_count()
         say("driver", f"CUDA {driver.driver_version() // 1000}.{driver.driver_version() % 1000 // 10}")

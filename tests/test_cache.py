@@ -72,12 +72,36 @@ def test_env_disables_and_redirects(monkeypatch, tmp_path):
     assert kcache.default_dir() == tmp_path
 
 
-def test_load_kernels_hits_after_a_miss(tmp_path):
+def test_load_kernels_hits_after_a_miss(tmp_path, capsys):
     c = kcache.CubinCache(tmp_path)
     first = kc_compile.load_kernels((90,), cache=c)
+    cold = capsys.readouterr().err
     second = kc_compile.load_kernels((90,), cache=kcache.CubinCache(tmp_path))
     assert (first.misses, second.hits, second.misses) == (1, 1, 0)
     assert first.cubins == second.cubins
+    # a cold compile says so once on stderr (what, why, how to avoid it); a warm load is silent
+    (line,) = cold.splitlines()
+    assert line.startswith("kvcanary: compiling the CUDA kernels with NVRTC for sm_90 (")
+    assert str(tmp_path) in line and "KVCANARY_ARCHS" in line and "KVCANARY_CACHE_DIR" in line
+    assert capsys.readouterr().err == ""
+
+
+def test_compile_notice_without_a_disk_cache():
+    line = kc_compile.compile_notice((80, 90), None)
+    assert "sm_80, sm_90" in line and "KVCANARY_CACHE=0 compiles at every import" in line and "\n" not in line
+
+
+def test_compiled_kernels_repr_is_short():
+    import kvcanary
+    c = kvcanary.COMPILED
+    text = repr(c)
+    assert len(text) < 200 * (1 + len(c.cubins)), len(text)   # never the cubin bytes (megabytes)
+    for arch, cubin in c.cubins.items():
+        assert f"sm_{arch}: {len(cubin) / 1e6:.2f} MB" in text
+    assert f"nvrtc={c.nvrtc!r}" in text and f"hits={c.hits}" in text and "b'" not in text
+    fake = kc_compile.CompiledKernels({90: b"x" * 3_000_000}, "wheel 13.0", None, 0, 1, keys={90: "ab" * 32})
+    assert repr(fake) == ("CompiledKernels(cubins={sm_90: 3.00 MB}, nvrtc='wheel 13.0', cache_dir=None, hits=0, "
+                          "misses=1, skipped_archs=(), keys={sm_90: abababababab…})")
 
 
 def test_archs_env(monkeypatch):

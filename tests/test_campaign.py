@@ -13,9 +13,10 @@ import sys
 import pytest
 
 from kvcanary import demo
+from kvcanary.errors import ValidationError, ValidationTypeError
 from kvcanary.sim import campaign
 from kvcanary.sim.faults import CLASSES, MODES, coverage
-from kvcanary.sim.report import format_table, passed, write_json
+from kvcanary.sim.report import format_table, not_covered_lines, passed, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -85,7 +86,7 @@ def test_demo_cli_runs_with_tiny_flags(tmp_path, jobs):
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "not covered" in p.stdout and "clean run" in p.stdout
+    assert "not covered in none: K9, K12" in p.stdout and "clean run" in p.stdout
     data = json.loads((tmp_path / "campaign.json").read_text())
     assert data["cells"]["K9/none"]["covered"] is False and data["cells"]["K3/none"]["covered"] is True
     assert data["clean_runs"][0]["false_positives"] == 0
@@ -155,14 +156,56 @@ def test_merge_clean_runs_sums_counts_and_keeps_five_false_positives():
 def test_jobs_flag():
     p = argparse.ArgumentParser()
     demo.add_arguments(p)
-    assert p.parse_args([]).jobs == 1
-    assert p.parse_args(["--jobs", "4"]).jobs == 4
-    assert p.parse_args(["--jobs", "0"]).jobs == 0
-    assert campaign.resolve_jobs(0) == (os.cpu_count() or 1) and campaign.resolve_jobs(3) == 3
-    with pytest.raises(ValueError):
-        campaign.resolve_jobs(-1)
-    with pytest.raises(SystemExit, match="--jobs"):
-        demo.run(p.parse_args(["--jobs", "-2"]))
+    assert p.parse_args([]).jobs == "auto"
+    assert p.parse_args(["--jobs", "4"]).jobs == "4"
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert campaign.resolve_jobs("auto", "cpu") == cpus      # the default: every usable CPU ...
+    assert campaign.resolve_jobs("auto", "gpu") == 1         # ... but no workers sharing one GPU
+    assert campaign.resolve_jobs(0) == campaign.resolve_jobs("0") == cpus
+    assert campaign.resolve_jobs(3) == campaign.resolve_jobs(" 3 ") == 3 and campaign.resolve_jobs(1) == 1
+    for bad in (-1, "-2", "many", "1.5"):
+        with pytest.raises(ValidationError, match=r"^kv-canary: --jobs .*Fix: "):
+            campaign.resolve_jobs(bad)
+    with pytest.raises(ValidationTypeError, match="kv-canary: jobs must be an int"):
+        campaign.resolve_jobs(2.0)
+    with pytest.raises(ValidationError, match="--jobs"):
+        demo.run(p.parse_args(["--jobs", "-2", "--backend", "cpu"]))
+
+
+@pytest.mark.parametrize("n", [0, -1])
+def test_a_campaign_without_injections_is_rejected_not_a_success(n):
+    with pytest.raises(ValidationError, match=r"^kv-canary: --injections must be >= 1, got -?\d.*Fix: "):
+        campaign.run_campaign(["K3"], ["none"], injections=n)
+    with pytest.raises(ValidationTypeError, match="kv-canary: injections must be an int"):
+        campaign.run_campaign(["K3"], ["none"], injections=2.5)
+
+
+def test_modes_and_classes_spelling():
+    assert demo.parse_list("all", MODES, "--modes", "") == ["all"]          # hash mode ALL alone
+    assert demo.parse_list("every", MODES, "--modes", "") == ["none", "partial", "all"]
+    assert demo.parse_list("PARTIAL, all,partial", MODES, "--modes", "") == ["partial", "all"]
+    assert demo.parse_list("every", CLASSES, "--classes", "") == list(CLASSES)
+    assert demo.parse_list("k12,K1", CLASSES, "--classes", "") == ["K12", "K1"]
+    for bad in ("", "al", "none,every", "none,,x"):
+        with pytest.raises(ValidationError, match=r"^kv-canary: --modes takes .*Fix: e\.g\. --modes"):
+            demo.parse_list(bad, MODES, "--modes", "partial,all")
+    p = argparse.ArgumentParser()
+    demo.add_arguments(p)
+    args = p.parse_args([])
+    assert demo.parse_list(args.modes, MODES, "--modes", "") == list(MODES)   # the default: every mode
+    assert demo.parse_list(args.classes, CLASSES, "--classes", "") == list(CLASSES)
+
+
+def test_not_covered_note_names_only_what_is_not_covered():
+    def result(modes):
+        cells = {f"K3/{m}": dict(covered=True, note="") for m in modes}
+        cells.update({f"K12/{m}": dict(covered=coverage("K12", m)[0], note=coverage("K12", m)[1]) for m in modes})
+        return dict(modes=modes, classes=["K3", "K12"], cells=cells, partial_note="PARTIAL note")
+    assert not_covered_lines(result(["all"])) == []
+    assert not_covered_lines(result(["partial"])) == ["PARTIAL note."]
+    (line,) = not_covered_lines(result(["none", "all"]))
+    assert line.startswith("not covered in none: K12 (identity-only mode hashes no KV bytes")
+    assert "K3" not in line
 
 
 @pytest.mark.gpu
@@ -172,3 +215,18 @@ def test_reduced_campaign_and_clean_run_on_the_gpu():
     assert all(c["detected"] >= 1 for c in res["cells"].values() if c["covered"]), format_table(res)
     clean = campaign.clean_run(10**6, hash_mode="all", backend="gpu", seed=3)
     assert clean["verified_slots"] >= 10**6 and clean["false_positives"] == 0, clean["first_false_positives"]
+
+
+def test_heat_map_has_axis_titles_a_colour_bar_and_a_legend(tmp_path):
+    pytest.importorskip("matplotlib")
+    from kvcanary.sim.report import heatmap, heatmap_figure
+    res = campaign.run_campaign(["K3", "K12"], ["none", "all"], injections=1, seed=4)
+    fig = heatmap_figure(res)
+    ax, bar = fig.axes                                   # the matrix and its colour bar
+    assert ax.get_xlabel().startswith("hash mode") and ax.get_ylabel().startswith("fault class")
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["none", "all"]
+    assert "detection rate" in bar.get_ylabel() and bar.get_ylim() == (0.0, 1.0)
+    (legend,) = fig.legends
+    assert "not covered" in legend.get_texts()[0].get_text()
+    assert "not covered" in [t.get_text() for t in ax.texts]   # K12 in none
+    assert heatmap(res, str(tmp_path / "c.png")) == str(tmp_path / "c.png") and (tmp_path / "c.png").stat().st_size

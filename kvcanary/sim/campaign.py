@@ -28,6 +28,7 @@ from dataclasses import asdict, replace
 
 import numpy as np
 
+from ..errors import ValidationError, ValidationTypeError
 from .engine import Engine
 from .faults import CLASSES, K1, K2, K3, K4, MODES, PARTIAL_NOTE, TITLES, coverage
 from .faults_kv import K5, K6, K7, K10, K12
@@ -117,14 +118,33 @@ def seed_for(seed: int, cls: str, mode: str, i: int) -> int:
     return int(np.random.SeedSequence([seed, CLASSES.index(cls), MODES.index(mode), i]).generate_state(1)[0])
 
 
-def resolve_jobs(jobs: int) -> int:
-    """Worker processes for ``jobs``: 0 means one per CPU, 1 means run in this process."""
-    if jobs == 0:
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # macOS, Windows
         return os.cpu_count() or 1
+
+
+def resolve_jobs(jobs: int | str = 1, backend: str = "cpu") -> int:
+    """Worker processes for a ``jobs`` setting: ``"auto"`` is one per usable CPU on the CPU
+    backend and 1 on the GPU (workers' CUDA contexts would time-slice the one device); 0 is one
+    per usable CPU; 1 runs in this process; N > 1 is N workers. Raises ValidationError otherwise."""
+    fix = "Fix: --jobs auto, 0 (one worker per CPU), 1 (run in this process) or a worker count"
+    if isinstance(jobs, str):
+        text = jobs.strip().lower()
+        if text == "auto":
+            return usable_cpus() if backend == "cpu" else 1
+        try:
+            jobs = int(text)
+        except ValueError:
+            raise ValidationError(f"kv-canary: --jobs expects auto or a worker count >= 0, got {jobs!r}. "
+                                  f"{fix}") from None
+    if isinstance(jobs, bool) or not isinstance(jobs, (int, np.integer)):
+        raise ValidationTypeError(f"kv-canary: jobs must be an int or 'auto', got {type(jobs).__name__}. {fix}")
     if jobs < 0:
-        raise ValueError(f"kv-canary: --jobs expects a worker count >= 0, got {jobs}; fix: 0 for one "
-                         f"worker per CPU, 1 to run in this process")
-    return jobs
+        raise ValidationError(f"kv-canary: --jobs expects a worker count >= 0, got {jobs}. {fix}")
+    return usable_cpus() if jobs == 0 else int(jobs)
 
 
 def _pool(workers: int) -> ProcessPoolExecutor:
@@ -183,6 +203,18 @@ def _run_tasks(tasks: list[tuple[str, str, int]], *, backend: str, report: str, 
     return records
 
 
+def check_injections(injections) -> int:
+    """``injections`` if it is a count >= 1; else ValidationError / ValidationTypeError (a campaign
+    that injects nothing proves nothing and must not report success)."""
+    if isinstance(injections, bool) or not isinstance(injections, (int, np.integer)):
+        raise ValidationTypeError(f"kv-canary: injections must be an int, got {type(injections).__name__}. "
+                                  f"Fix: pass a count such as 5")
+    if injections < 1:
+        raise ValidationError(f"kv-canary: --injections must be >= 1, got {injections} (a campaign that "
+                              f"injects nothing proves nothing). Fix: --injections 5")
+    return int(injections)
+
+
 def run_campaign(classes=CLASSES, modes=MODES, injections: int = 3, *, backend: str = "cpu",
                  seed: int = 0, report: str = "log", progress=None, jobs: int = 1) -> dict:
     """Every class x mode: ``injections`` seeded injections (covered pairs only); returns a dict
@@ -191,7 +223,8 @@ def run_campaign(classes=CLASSES, modes=MODES, injections: int = 3, *, backend: 
     ``jobs`` > 1 runs the injections in that many spawned worker processes (0: one per CPU); the
     result is the same as with ``jobs=1``. A worker re-imports the ``__main__`` module, so a script
     calling this with ``jobs`` > 1 needs an ``if __name__ == "__main__":`` guard."""
-    jobs = resolve_jobs(jobs)
+    check_injections(injections)
+    jobs = resolve_jobs(jobs, backend)
     pairs = [(c, m) for c in classes for m in modes if coverage(c, m)[0]]
     tasks = [(c, m, seed_for(seed, c, m, i)) for c, m in pairs for i in range(injections)]
     t0 = time.perf_counter()
@@ -241,7 +274,7 @@ def clean_run(min_verified: int = 10**6, *, hash_mode: str = "all", backend: str
     ``jobs`` > 1 (0: one per CPU) instead runs that many clean engines with seeds ``seed``,
     ``seed + 1``, ... in spawned worker processes, each until ceil(min_verified / jobs) verified
     slots, and merges them (see ``merge_clean_runs``)."""
-    jobs = resolve_jobs(jobs)
+    jobs = resolve_jobs(jobs, backend)
     if jobs > 1:
         return _parallel_clean_run(min_verified, jobs, hash_mode=hash_mode, backend=backend, seed=seed,
                                    max_steps=max_steps, progress=progress, **overrides)

@@ -32,10 +32,7 @@ def format_table(result: dict, clean: list[dict] | None = None) -> str:
               "read, not counted.",
               "latency in engine steps: from the corruption to the first report (max, mean), and from the "
               "first read of the corrupted content to the first report (max; 0 = the step that read it).",
-              "not covered: " + ("; ".join(k.replace("/", " in ") for k, x in cells.items()
-                                           if not x["covered"]) or "none")
-              + " (identity-only mode hashes no KV bytes).",
-              result["partial_note"] + "."]
+              *not_covered_lines(result)]
     bad = [r for r in result["runs"] if r["clean_violations"] or r["error"]]
     if bad:
         lines.append(f"WARNING: {len(bad)} injection(s) with violations before the fault or engine errors")
@@ -45,6 +42,21 @@ def format_table(result: dict, clean: list[dict] | None = None) -> str:
                      f"{c['steps']} steps" + (f" over {c['runs']} runs" if c.get("runs", 1) > 1 else "")
                      + f", {c['seconds']} s")
     return "\n".join(lines)
+
+
+def not_covered_lines(result: dict) -> list[str]:
+    """One line per hash mode with cells it cannot see (classes, then why), and the PARTIAL
+    window note when PARTIAL ran; nothing for a mode that sees every class it ran."""
+    lines = []
+    for m in result["modes"]:
+        off = [(c, result["cells"][f"{c}/{m}"]["note"]) for c in result["classes"]
+               if not result["cells"][f"{c}/{m}"]["covered"]]
+        if off:
+            why = "; ".join(dict.fromkeys(note.split(";")[0] for _, note in off))
+            lines.append(f"not covered in {m}: {', '.join(c for c, _ in off)} ({why}; see docs/faults.md).")
+    if "partial" in result["modes"]:
+        lines.append(result["partial_note"] + ".")
+    return lines
 
 
 def passed(result: dict, clean: list[dict] | None = None) -> bool:
@@ -61,17 +73,29 @@ def write_json(result: dict, clean: list[dict] | None, path: str) -> str:
 
 
 def heatmap(result: dict, path: str) -> str | None:
-    """PNG of detection rate per class x mode; None when matplotlib is not installed."""
+    """PNG of detection rate per class x mode; None when matplotlib is not installed. Each cell
+    shows detected/exercised (+ not exercised); its colour is the rate (colour bar), grey where
+    the mode cannot see the class or no injection was exercised."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return None
+    fig = heatmap_figure(result)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def heatmap_figure(result: dict):
+    """The matplotlib Figure of :func:`heatmap` (needs matplotlib)."""
+    import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.patches import Patch
     classes, modes = result["classes"], result["modes"]
     rate = np.full((len(classes), len(modes)), np.nan)
-    fig, ax = plt.subplots(figsize=(2 + 1.6 * len(modes), 1 + 0.45 * len(classes)))
+    fig, ax = plt.subplots(figsize=(4.2 + 1.5 * len(modes), 1.9 + 0.42 * len(classes)))
     for i, c in enumerate(classes):
         for j, m in enumerate(modes):
             cell = result["cells"][f"{c}/{m}"]
@@ -81,14 +105,22 @@ def heatmap(result: dict, path: str) -> str | None:
             ax.text(j, i, cell_text(cell).replace(" +", "\n+"), ha="center", va="center", fontsize=8,
                     color="white" if dark else "black")
     ax.set_facecolor("#dddddd")  # not covered / nothing exercised
-    ax.imshow(np.ma.masked_invalid(rate), cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+    image = ax.imshow(np.ma.masked_invalid(rate), cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
     ax.set_xticks(range(len(modes)), modes)
     ax.set_yticks(range(len(classes)), [f"{c} {result['titles'][c]}" for c in classes])
-    ax.set_title(f"kvcanary detection rate ({result['backend']}, {result['injections']} per cell)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    ax.set_xlabel("hash mode (none: identity only; partial: first 16 bytes per source; all: every byte)",
+                  fontsize=8)
+    ax.set_ylabel("fault class (docs/faults.md)")
+    bar = fig.colorbar(image, ax=ax, fraction=0.05, pad=0.02)
+    bar.set_label("detection rate = detected / exercised")
+    fig.legend(handles=[Patch(facecolor="#dddddd", edgecolor="#999999",
+                              label="grey: not covered by the mode, or nothing exercised")],
+               loc="lower center", fontsize=8, frameon=False)
+    ax.set_title(f"kvcanary detection rate ({result['backend']} backend, {result['injections']} "
+                 f"injection(s) per cell)\ncell text: detected/exercised, +n.e. = injected but never read",
+                 fontsize=9)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))  # room for the legend below
+    return fig
 
 
 class Progress:
