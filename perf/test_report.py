@@ -137,5 +137,5 @@ def test_check_baseline(tmp_path, gpu, harness, ok):
 def test_the_committed_baseline_is_never_a_cpu_run():
     """perf/results-h200.json, if it says which GPU took it, says an H200."""
     data = json.loads(report.COMMITTED["json"].read_text())
-    gpu = report.run_info(data)["gpu"]
-    assert gpu is None and report.run_info(data)["harness"] == 1 or "H200" in gpu
+    run = report.run_info(data)
+    assert (run["gpu"] is None and run["harness"] == 1) or "H200" in (run["gpu"] or ""), run
