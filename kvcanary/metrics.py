@@ -132,7 +132,8 @@ class PrometheusMetrics:
 
     def _stats(self, record: dict) -> None:
         for key in COUNTERS:
-            self._advance(key, record.get(key, 0))
+            if key in record:  # an absent key is not a reset (ring_overflow also comes with violations)
+                self._advance(key, record[key])
         for key in GAUGES:
             self._series[key].set(int(record.get(key, 0)))
 

@@ -179,6 +179,9 @@ def test_a_row_with_two_reasons_counts_once_per_reason_and_once_as_a_record(regi
     assert get("kvcanary_ring_overflow_total") == 2
     fake.emit(stats_record(ring_overflow=2))  # the same cumulative count, seen again in the stats
     assert get("kvcanary_ring_overflow_total") == 2
+    fake.emit(stats_record())  # a canary whose stats do not carry the key: no reset
+    fake.emit(dict(row, ring_overflow=3))
+    assert get("kvcanary_ring_overflow_total") == 3
 
 
 def test_canaries_share_a_registry_through_labels(registry):
