@@ -18,7 +18,6 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 INNER = '''
-import math
 import pytest
 from types import SimpleNamespace
 from perf.clocks import GPU_CLOCK, gpu_timed, reported
