@@ -34,6 +34,7 @@ PROBE_NAMES = ("kvcp_spin", "kvcp_read", "kvcp_fill", "kvcp_chain", "kvcp_verify
                "kvcb_verify_persistent", "kvcb_write_one_thread")
 KEY = 0x5EED_C0DE_0BAD_F00D  # probes store their folded loads only if they equal this: never
 COPY_BYTES = 2 << 30
+EMPTY_LAUNCHES = 100
 BLOCK = 256
 
 i64, u64 = ctypes.c_int64, ctypes.c_uint64
@@ -122,13 +123,22 @@ class Bounds:
         self.rt, self.probes, self.timer = rt, probes, timer
         self._chain: dict[int, float] = {}
 
+    def copy_fn(self):
+        """fn(stream) enqueueing a ``cuMemcpyDtoDAsync`` of COPY_BYTES between two buffers it
+        keeps (4 GiB in all, freed with the fn)."""
+        src, dst = memory.empty((COPY_BYTES,), np.uint8), memory.empty((COPY_BYTES,), np.uint8)
+        self.probes.fill(src.ptr, COPY_BYTES, 3, self.timer.handle)
+        self.timer.sync()
+
+        def copy(s: int) -> None:
+            check(cu.cuMemcpyDtoDAsync(dst.ptr, src.ptr, COPY_BYTES, s), "cuMemcpyDtoDAsync")
+        copy.buffers = (src, dst)
+        return copy
+
     @cached_property
     def copy_bandwidth(self) -> float:
         """Device-to-device copy, bytes read + written per second."""
-        src, dst = memory.empty((COPY_BYTES,), np.uint8), memory.empty((COPY_BYTES,), np.uint8)
-        self.probes.fill(src.ptr, COPY_BYTES, 3, self.timer.handle)
-        copy = lambda s: check(cu.cuMemcpyDtoDAsync(dst.ptr, src.ptr, COPY_BYTES, s), "cuMemcpyDtoDAsync")  # noqa: E731
-        t = self.timer.gpu_time(copy, warmup=3, repeat=15, flush=False)
+        t = self.timer.gpu_time(self.copy_fn(), warmup=3, repeat=15, flush=False)
         self.timer.sync()
         return 2 * COPY_BYTES / t
 
@@ -151,9 +161,13 @@ class Bounds:
 
     @cached_property
     def gpu_launch_floor(self) -> float:
-        """GPU seconds per empty kernel, 100 back to back on one stream (eager)."""
+        """GPU seconds per empty kernel, EMPTY_LAUNCHES back to back on one stream (eager)."""
+        return self.timer.gpu_time(self.empty_launches_fn(), flush=False, per=EMPTY_LAUNCHES)
+
+    def empty_launches_fn(self):
+        """fn(stream) enqueueing EMPTY_LAUNCHES raw empty launches back to back."""
         raw = self.raw_launch_fn()
-        return self.timer.gpu_time(lambda s: [raw() for _ in range(100)], flush=False) / 100
+        return lambda s: [raw() for _ in range(EMPTY_LAUNCHES)]
 
     def chain(self, n: int) -> float:
         """GPU seconds of the serial-chain probe over ``n`` mix3 steps."""

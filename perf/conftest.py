@@ -1,28 +1,36 @@
 """Fixtures of the benchmark suite: GPU detection, the event timer, the probes, the bounds, and
-the row reporter that attaches results to pytest-benchmark.
+the ``report`` fixture through which every benchmark measures its operation and reports rows.
 
 GPU benchmarks take the ``gpu`` fixture (directly or through ``timer``/``bounds``/``workloads``)
 and skip cleanly when no CUDA driver or device is found: the kvcanary error that
 ``kvcanary.driver.device_count()`` raises is caught, never propagated. CPU benchmarks (import
 time, the reference backend, the probe compile) always run.
 
-Each benchmark reports one or more rows through the ``report`` fixture: measured value, the bound
-measured in the same run, their ratio, the target and pass/fail. Rows go to
-``benchmark.extra_info["rows"]`` (the first row's numbers also as flat keys: ``bound``, ``ratio``,
-``GB/s``, ``entries/s``), are printed (``-s``) and summarised at the end of the session.
-pytest-benchmark's own timing columns only time the whole measurement (``pedantic``, 1 round):
-the numbers that matter are the rows.
+One benchmark times one operation, and pytest-benchmark's statistics are that operation's time:
+``report.gpu(fn)`` (a ``@gpu_timed`` test: GPU seconds per round from CUDA events, see
+perf/clocks.py), ``report.host(fn)`` (host seconds per call, ``batch`` calls per round, the stream
+idle at each round's start), ``report.cpu(fn)`` (seconds per call) and ``report.reported(fn)``
+(a ``@reported`` test: ``fn`` returns the seconds it measured itself). Each returns the median.
+Bounds and comparisons are measured beside it with the session's ``timer``/``bounds`` and go into
+the rows: ``report.row`` records measured value (the median, or derived from it: a rate, a
+bandwidth), the bound, their ratio, the target and pass/fail in ``benchmark.extra_info["rows"]``
+(the first row's numbers also as flat keys: ``bound``, ``ratio``, ``GB/s``, ``entries/s``),
+prints it (``-s``) and lists it at the end of the session. With ``--benchmark-disable`` every
+measurement runs once and returns NaN.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import statistics
+import time
 from typing import Callable
 
 import pytest
 
-from .report import fmt
+from .clocks import GPU_CLOCK, REPORTED_CLOCK
+from .report import HARNESS, fmt
 
 ROWS: list[dict] = []
 
@@ -79,15 +87,84 @@ def check_target(ratio: float | None, target: tuple[str, float] | None) -> bool 
 
 
 class Reporter:
-    """Collects the rows of one benchmark; see the module docstring."""
+    """Measures one benchmark's operation and collects its rows; see the module docstring."""
 
-    def __init__(self, benchmark, nodeid: str):
-        self.benchmark, self.nodeid, self.rows = benchmark, nodeid, []
+    def __init__(self, benchmark, request):
+        self.benchmark, self.request, self.nodeid, self.rows = benchmark, request, request.node.nodeid, []
 
-    def measure(self, fn: Callable[[], object]):
-        """Run ``fn`` (the whole measurement) once under pytest-benchmark; return its result."""
-        return self.benchmark.pedantic(fn, rounds=1, iterations=1, warmup_rounds=0)
+    # ---- the measured operation (one per benchmark) ------------------------------------------
+    def gpu(self, fn: Callable[[int], object], *, rounds: int = 30, warmup: int = 5, flush: bool = True,
+            per: int = 1) -> float:
+        """Median GPU seconds of ``fn(stream)``'s work (per ``per`` operations it enqueues)."""
+        self._require_timer(GPU_CLOCK, "@gpu_timed")
+        timer = self.request.getfixturevalue("timer")  # binds GPU_CLOCK to the session's GpuTimer
+        setup = timer.prepare(fn, warmup, flush, per)
+        self.benchmark.pedantic(fn, args=(timer.handle,), setup=setup, rounds=rounds)
+        self._info(f"CUDA events, {'L2 flushed, ' if flush else ''}spin-gated"
+                   + (f", per {per} operations" if per > 1 else ""),
+                   late_rounds=timer.clock.late, **timer.last)
+        return self._median()
 
+    def host(self, fn: Callable[[], object], *, batch: int = 200, rounds: int = 30, warmup: int = 3,
+             sync: Callable[[], None] | None = None, interleave: Callable[[], object] | None = None):
+        """Median host seconds per call of ``fn``: rounds of ``batch`` back-to-back calls, ``sync``
+        (untimed) after each so every round starts with an idle stream. With ``interleave``, after
+        each round the same batch of that fn is timed too (a bound measured alternately with the
+        operation, so drift hits both alike): returns (median, its median)."""
+        self._require_timer(None, "no clock marker")
+        others: list[float] = []
+
+        def teardown() -> None:
+            if sync is not None:
+                sync()
+            if interleave is not None:
+                t0 = time.perf_counter()
+                for _ in range(batch):
+                    interleave()
+                others.append((time.perf_counter() - t0) / batch)
+                if sync is not None:
+                    sync()
+
+        teardown()
+        self.benchmark.pedantic(fn, rounds=rounds, warmup_rounds=warmup, iterations=batch, teardown=teardown)
+        self._info(f"perf_counter, {batch} calls per round")
+        if interleave is None:
+            return self._median()
+        timed = others[1 + warmup:1 + warmup + rounds]  # not the first, warm-up or final calls
+        return self._median(), statistics.median(timed) if timed else math.nan
+
+    def cpu(self, fn: Callable[[], object], *, rounds: int = 5, warmup: int = 1) -> float:
+        """Median host seconds of one call of ``fn``."""
+        self._require_timer(None, "no clock marker")
+        self.benchmark.pedantic(fn, rounds=rounds, warmup_rounds=warmup)
+        self._info("perf_counter, 1 call per round")
+        return self._median()
+
+    def reported(self, fn: Callable[[], float], *, rounds: int, setup: Callable[[], None] | None = None) -> float:
+        """Median of the seconds ``fn`` returns (it times the operation itself); ``setup`` runs
+        before each round, untimed."""
+        self._require_timer(REPORTED_CLOCK, "@reported")
+        self.benchmark.pedantic(lambda: REPORTED_CLOCK.add(fn()), setup=setup, rounds=rounds)
+        self._info("reported by the operation")
+        return self._median()
+
+    def _require_timer(self, clock, marker: str) -> None:
+        mark = self.request.node.get_closest_marker("benchmark")
+        have = mark.kwargs.get("timer") if mark else None
+        if have is not clock:
+            raise pytest.UsageError(f"perf: {self.nodeid} measures with a method that needs {marker} on the test, "
+                                    f"got benchmark timer {have!r}")
+
+    def _info(self, clock: str, **extra) -> None:
+        self.benchmark.extra_info.update(harness=HARNESS, clock=clock, **extra)
+
+    def _median(self) -> float:
+        stats = getattr(self.benchmark, "stats", None)
+        if self.benchmark.disabled or not stats:
+            return math.nan
+        return float(stats.stats.median)
+
+    # ---- rows ---------------------------------------------------------------------------------
     def row(self, name: str, measured: float, unit: str, *, bound: float | None = None,
             bound_name: str = "", ratio: float | None = None, target: tuple[str, float] | None = None,
             ok: bool | None = None, target_text: str | None = None, **extra) -> dict:
@@ -113,7 +190,7 @@ class Reporter:
 
 @pytest.fixture
 def report(benchmark, request) -> Reporter:
-    return Reporter(benchmark, request.node.nodeid)
+    return Reporter(benchmark, request)
 
 
 def format_row(row: dict) -> str:
@@ -123,6 +200,31 @@ def format_row(row: dict) -> str:
     return (f"{row['name']:<60} {fmt(row['measured'], row['unit']):>13}  bound "
             f"{fmt(row['bound'], row['unit']):>13}{what}  ratio {ratio:>8}  "
             f"target {row['target'] or '-':>7}  {verdict}")
+
+
+def pytest_configure(config):
+    """``--benchmark-json=perf/out/run.json`` works on a fresh clone: its directory is created."""
+    path = config.getoption("benchmark_json", None)
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+
+def gpu_name() -> str | None:
+    if gpu_unavailable_reason():
+        return None
+    from cuda.bindings import driver as cu
+    try:
+        err, name = cu.cuDeviceGetName(256, cu.CUdevice(0))
+    except Exception:  # never let the machine info break saving the run
+        return None
+    return name.split(b"\0", 1)[0].decode(errors="replace") if int(err) == 0 else None
+
+
+def pytest_benchmark_update_machine_info(config, machine_info):
+    """Which harness and which GPU (None: no GPU answered) took the numbers: perf/report.py
+    refuses to let a run without a GPU replace the committed H200 results."""
+    machine_info["kvcanary_perf"] = {"harness": HARNESS, "gpu": gpu_name(),
+                                     "no_gpu_reason": gpu_unavailable_reason()}
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -8,6 +8,8 @@
   plus its host time per eager step vs launches x raw launch floor (target <= 1.3x; launches =
   what the manager counts itself enqueuing per timed step, the pump's snapshot included). (The
   >= 3x design target is judged in test_step.py, against the SGLang-shaped design.)
+One benchmark per measured operation: its stats are that operation's time; the reference each
+row is compared with (kvcanary's fused verify, the fused manager step) is timed beside it.
 Both skip without torch; the manager rows skip when the manager API is absent.
 """
 
@@ -19,6 +21,7 @@ import kvcanary as kc
 from kvcanary import abi
 from kvcanary.hashing import ANCHOR_HASH, to_i64
 
+from .clocks import gpu_timed
 from .workloads import DECODE_256, STEP_SHAPES, settle
 
 TORCH_TARGET = (">=", 80.0)
@@ -48,6 +51,7 @@ def torch_verify(torch, canary, plan, n: int):
     return bad.sum()
 
 
+@gpu_timed
 def test_torch_ops_verify(report, workloads, timer, bounds):
     torch = pytest.importorskip("torch")
     w = workloads.get(*DECODE_256)
@@ -66,12 +70,9 @@ def test_torch_ops_verify(report, workloads, timer, bounds):
         with torch.cuda.stream(stream):
             found["bad"] = torch_verify(torch, canary, t_arrays, w.entries)
 
-    def measure():
-        return (timer.gpu_time(run_torch),
-                timer.gpu_time(lambda s: kc.fused_verify(ctx, w.batch, fused_plan, stream=s)))
-
-    t_torch, t_kvc = report.measure(measure)
+    t_torch = report.gpu(run_torch)
     assert int(found["bad"].item()) == 0, "the torch verify disagrees with the kernels' hashing"
+    t_kvc = timer.gpu_time(lambda s: kc.fused_verify(ctx, w.batch, fused_plan, stream=s))
     assert w.violations() == 0
     report.row(f"torch-ops verify identity / kvcanary fused, {w.label}", t_torch, "s", bound=t_kvc,
                bound_name="kvcanary fused verify", target=TORCH_TARGET,
@@ -93,63 +94,77 @@ def make_manager(w, mode: str, fused: bool):
     return canary
 
 
-@pytest.mark.parametrize("mode", ["identity", "partial"])
-@pytest.mark.parametrize("shape", list(STEP_SHAPES))
-def test_manager_step(report, workloads, timer, bounds, shape, mode):
-    torch = pytest.importorskip("torch")
-    w = workloads.get(*STEP_SHAPES[shape])
-    canaries = {fused: make_manager(w, mode, fused) for fused in (True, False)}
+def eager_step(w, canary):
+    def step(s):
+        canary.before_forward(w.batch, stream=s)
+        canary.after_forward(w.batch, stream=s)
+    return step
+
+
+def graphed_step(torch, w, canary, timer):
+    """fn(stream) replaying a torch.cuda.graph of one manager step on the timer's stream."""
+    eager_step(w, canary)(timer.handle)  # packs the launches outside capture
+    timer.sync()  # (snapshots in flight need no drain: a capture never touches the pump)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        eager_step(w, canary)(torch.cuda.current_stream().cuda_stream)
     stream = torch.cuda.ExternalStream(timer.handle)
 
-    def eager(canary):
-        def step(s):
-            canary.before_forward(w.batch, stream=s)
-            canary.after_forward(w.batch, stream=s)
-        return step
+    def replay(s):
+        with torch.cuda.stream(stream):
+            g.replay()
+    replay.graph = g
+    return replay
 
-    def graphed(canary):
-        eager(canary)(timer.handle)  # packs the launches outside capture
-        timer.sync()  # (snapshots in flight need no drain: a capture never touches the pump)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            eager(canary)(torch.cuda.current_stream().cuda_stream)
 
-        def replay(s):
-            with torch.cuda.stream(stream):
-                g.replay()
-        return replay, g
-
-    def measure():
-        out = {}
-        for fused, canary in canaries.items():
-            out[fused, "eager"] = timer.gpu_time(eager(canary))
-            replay, g = graphed(canary)
-            out[fused, "graph"] = timer.gpu_time(replay)
-        step, canary, calls = eager(canaries[True]), canaries[True], [0]
-
-        def counted():
-            calls[0] += 1
-            step(timer.handle)
-
-        n0 = canary.launch_count
-        out["host"] = timer.host_time({"step": counted}, batch=10, repeat=15)["step"]
-        out["launches"] = (canary.launch_count - n0) / calls[0]  # fewer when the pump skipped
-        return out
-
-    t = report.measure(measure)
-    for canary in canaries.values():
+def check_clean(*canaries) -> None:
+    for canary in canaries:
         canary.flush()
         assert canary.stats()["violations"] == 0, "the benchmark workload must step clean"
-    bound, bound_name = bounds.step(w, mode)
+
+
+@gpu_timed
+@pytest.mark.parametrize("what", ["graph", "eager", "unfused-graph"])
+@pytest.mark.parametrize("mode", ["identity", "partial"])
+@pytest.mark.parametrize("shape", list(STEP_SHAPES))
+def test_manager_step(report, workloads, timer, bounds, shape, mode, what):
+    torch = pytest.importorskip("torch")
+    w = workloads.get(*STEP_SHAPES[shape])
+    fused = make_manager(w, mode, True)
     name = f"manager step {mode}, {w.label}"
-    for replay in ("graph", "eager"):
-        report.row(f"{name}, {replay}", t[True, replay], "s", bound=bound,
-                   bound_name=bound_name, series=f"manager {'step' if w.extend == 1 else 'prefill'} {mode} {replay}",
-                   size=w.entries + w.new_tokens, plan_design_s=t[False, replay])
-    report.row(f"{name}: fused=False / fused, graph", t[False, "graph"], "s", bound=t[True, "graph"],
-               bound_name="fused manager step", ratio=t[False, "graph"] / t[True, "graph"])
-    n = t["launches"]
-    report.row(f"{name}: host time per eager step", t["host"], "s", bound=n * bounds.launch_floor,
+    if what != "unfused-graph":
+        t = report.gpu(graphed_step(torch, w, fused, timer) if what == "graph" else eager_step(w, fused))
+        check_clean(fused)
+        bound, bound_name = bounds.step(w, mode)
+        report.row(f"{name}, {what}", t, "s", bound=bound, bound_name=bound_name,
+                   series=f"manager {'step' if w.extend == 1 else 'prefill'} {mode} {what}",
+                   size=w.entries + w.new_tokens)
+        return
+    unfused = make_manager(w, mode, False)
+    t = report.gpu(graphed_step(torch, w, unfused, timer))
+    t_fused = timer.gpu_time(graphed_step(torch, w, fused, timer))  # the reference, timed beside it
+    check_clean(fused, unfused)
+    report.row(f"{name}: fused=False / fused, graph", t, "s", bound=t_fused,
+               bound_name="fused manager step", ratio=t / t_fused)
+
+
+@pytest.mark.parametrize("mode", ["identity", "partial"])
+@pytest.mark.parametrize("shape", list(STEP_SHAPES))
+def test_manager_host_time(report, workloads, timer, bounds, shape, mode):
+    pytest.importorskip("torch")
+    w = workloads.get(*STEP_SHAPES[shape])
+    canary = make_manager(w, mode, True)
+    step, calls = eager_step(w, canary), [0]
+
+    def counted():
+        calls[0] += 1
+        step(timer.handle)
+
+    n0 = canary.launch_count
+    t = report.host(counted, batch=10, rounds=15, sync=timer.sync)
+    n = (canary.launch_count - n0) / calls[0]  # fewer when the pump skipped
+    check_clean(canary)
+    report.row(f"manager step {mode}, {w.label}: host time per eager step", t, "s", bound=n * bounds.launch_floor,
                bound_name=f"{n:.3g} launches per step (counted by the manager, pump snapshot "
-                          f"included; {canaries[True].launches_per_step()} nominal) x raw launch floor",
+                          f"included; {canary.launches_per_step()} nominal) x raw launch floor",
                target=HOST_TARGET if shape.startswith("decode") else None, launches_per_step=n)

@@ -1,7 +1,9 @@
 """Issue 2: ``import kvcanary`` wall time, in a fresh interpreter each time (CPU; no GPU needed).
 
 Measured inside the subprocess around the import statement alone (interpreter start-up is not
-counted), against importing ``cuda.bindings.driver`` and ``cuda.bindings.nvrtc`` alone. Warm: the
+counted) and reported to pytest-benchmark as the round's time (``@reported``), so its table and
+the row say the same number; before each round (untimed) the same is measured for importing
+``cuda.bindings.driver`` and ``cuda.bindings.nvrtc`` alone: the bound. Warm: the
 compile cache (``KVCANARY_CACHE_DIR``, a temporary directory) already holds every cubin, and
 Python's bytecode of both is cached (``PYTHONPYCACHEPREFIX``), as after ``pip install``. Cold: a
 fresh empty cache directory per import, so every kernel is compiled with NVRTC for every arch.
@@ -16,6 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from .clocks import reported
 
 REPO = Path(__file__).resolve().parent.parent
 BASELINE = "import cuda.bindings.driver, cuda.bindings.nvrtc"
@@ -38,20 +42,19 @@ def import_seconds(stmt: str, cache_dir: Path) -> float:
     return float(out.stdout.strip().splitlines()[-1])
 
 
+@reported
 @pytest.mark.parametrize("cache", ["warm", "cold"])
 def test_import_time(report, tmp_path, cache):
-    repeat = 7 if cache == "warm" else 3
     warm_dir = tmp_path / "warm"
     import_seconds("import kvcanary", warm_dir)  # fills the warm cache (and the OS file cache)
+    base, cold_dirs = [], iter(tmp_path / f"cold{i}" for i in range(1000))
 
-    def measure():
-        base, lib = [], []
-        for i in range(repeat):  # interleaved, so machine noise hits both alike
-            base.append(import_seconds(BASELINE, warm_dir))
-            lib.append(import_seconds("import kvcanary", warm_dir if cache == "warm" else tmp_path / f"cold{i}"))
-        return statistics.median(lib), statistics.median(base)
+    def import_once() -> float:
+        return import_seconds("import kvcanary", warm_dir if cache == "warm" else next(cold_dirs))
 
-    lib_s, base_s = report.measure(measure)
+    lib_s = report.reported(import_once, rounds=7 if cache == "warm" else 3,
+                            setup=lambda: base.append(import_seconds(BASELINE, warm_dir)))
+    base_s = statistics.median(base)
     beyond = lib_s - base_s
     if cache == "warm":
         report.row("import kvcanary, warm cache", lib_s, "s", bound=base_s,

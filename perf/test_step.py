@@ -9,11 +9,13 @@ materialised plan, then perf/kernels/baseline.cu: a 64 x 512 persistent verify a
 request for the write (kvcanary's params structs, packed by ``kvcanary.ops.prepare_*``). Shapes: decode bs 1/64/256 x context 4096 and a
 prefill 1 x 32768; identity-only and PARTIAL (1 source, 1 KiB per token).
 
-Rows: GPU time vs bytes it must touch / copy bandwidth (eager and graph-replayed; the graph is
-captured with the raw driver, no torch), the SGLang-shaped design / fused (graph-replayed;
-target >= 3x for decode bs 256), kvcanary's own plan design / fused, and host time per eager
-step vs launches x raw launch floor. Before timing, the SGLang-shaped step must leave the canary
-buffers byte-equal to kvcanary's step, and every step must leave the ring empty.
+One benchmark per measured operation (``what``): the fused step graph-replayed and eager (GPU
+time vs bytes it must touch / copy bandwidth; the graph is captured with the raw driver, no
+torch), the SGLang-shaped design and kvcanary's own plan design graph-replayed (each against the
+fused step's graph replay, timed beside it; SGLang-shaped target >= 3x for decode bs 256), and
+the host time per eager step vs launches x raw launch floor. Before timing, the SGLang-shaped
+step must leave the canary buffers byte-equal to kvcanary's step, and every step must leave the
+ring empty.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import pytest
 import kvcanary as kc
 from kvcanary import abi, ops
 
+from .clocks import gpu_timed
 from .timing import Graph
 from .workloads import STEP_SHAPES, settle, write
 
@@ -92,56 +95,69 @@ def buffers(w, mode: str, poison_new: bool = False) -> list[np.ndarray]:
     return out
 
 
+def check_sglang_step(w, mode: str, fused, pieces, handle: int) -> None:
+    """The SGLang-shaped step writes byte for byte what kvcanary's fused step writes."""
+    fused(handle)
+    ours = buffers(w, mode, poison_new=False)
+    buffers(w, mode, poison_new=True)
+    for what, piece in pieces:  # one launch at a time, so a fault names its kernel
+        piece(handle)
+        try:
+            settle()
+        except kc.KvCanaryError as exc:
+            pytest.fail(f"SGLang-shaped step: {what} failed: {exc}")
+    for a, b in zip(ours, buffers(w, mode)):
+        np.testing.assert_array_equal(a, b, err_msg="the SGLang-shaped step must write what kvcanary writes")
+
+
+@gpu_timed
+@pytest.mark.parametrize("what", ["fused-graph", "fused-eager", "sglang-graph", "plan-graph"])
 @pytest.mark.parametrize("mode", ["identity", "partial"])
 @pytest.mark.parametrize("shape", list(STEP_SHAPES))
-def test_step(report, workloads, timer, bounds, probes, shape, mode):
+def test_step(report, workloads, timer, bounds, probes, shape, mode, what):
     w = workloads.get(*STEP_SHAPES[shape])
-    steps = {d: step_fn(w, mode, d) for d in ("fused", "plan")}
-    sglang, pieces = sglang_step_fn(w, mode, probes)
-    if sglang is not None:
-        steps["fused"](timer.handle)
-        ours = buffers(w, mode, poison_new=False)
-        buffers(w, mode, poison_new=True)
-        for what, piece in pieces:  # one launch at a time, so a fault names its kernel
-            piece(timer.handle)
-            try:
-                settle()
-            except kc.KvCanaryError as exc:
-                pytest.fail(f"SGLang-shaped step: {what} failed: {exc}")
-        for a, b in zip(ours, buffers(w, mode)):
-            np.testing.assert_array_equal(a, b, err_msg="the SGLang-shaped step must write what kvcanary writes")
-        steps["sglang"] = sglang
-
-    def measure():
-        out = {}
-        for design, fn in steps.items():
-            out[design, "eager"] = timer.gpu_time(fn)
-            graph = Graph(timer, fn)
-            out[design, "graph"] = timer.gpu_time(graph.launch)
-        h = timer.handle
-        out["host"] = timer.host_time({"step": lambda: steps["fused"](h)}, batch=10, repeat=15)["step"]
-        return out
-
-    t = report.measure(measure)
-    assert w.violations() == 0, "the benchmark workload must step clean"
-    nbytes = w.step_bytes(mode)
-    bound, bound_name = bounds.step(w, mode)
+    fused = step_fn(w, mode, "fused")
     name = f"step {mode}, {w.label}"
-    tokens = w.entries + w.new_tokens
-    for replay in ("graph", "eager"):
-        fused = t["fused", replay]
-        report.row(f"{name}, fused, {replay}", fused, "s", bound=bound,
-                   bound_name=bound_name, series=f"{'step' if w.extend == 1 else 'prefill step'} {mode} {replay}",
-                   size=tokens, **{"entries/s": tokens / fused, "GB/s": nbytes / fused / 1e9},
-                   plan_design_s=t["plan", replay], bytes_must=nbytes,
+    h = timer.handle
+    design, replay = what.split("-")
+    if design == "sglang":
+        measured, pieces = sglang_step_fn(w, mode, probes)
+        if measured is None:
+            pytest.skip("kvcanary.ops cannot pack the launches of the SGLang-shaped step")
+        check_sglang_step(w, mode, fused, pieces, h)
+    else:
+        measured = fused if design == "fused" else step_fn(w, mode, design)
+    graph = Graph(timer, measured) if replay == "graph" else None
+    t = report.gpu(graph.launch if graph else measured)
+    assert w.violations() == 0, "the benchmark workload must step clean"
+    if design == "fused":
+        nbytes = w.step_bytes(mode)
+        bound, bound_name = bounds.step(w, mode)
+        tokens = w.entries + w.new_tokens
+        report.row(f"{name}, fused, {replay}", t, "s", bound=bound, bound_name=bound_name,
+                   series=f"{'step' if w.extend == 1 else 'prefill step'} {mode} {replay}", size=tokens,
+                   **{"entries/s": tokens / t, "GB/s": nbytes / t / 1e9}, bytes_must=nbytes,
                    gpu_launch_floor_s=LAUNCHES["fused"] * bounds.gpu_launch_floor)
-    if "sglang" in steps:
-        report.row(f"{name}: SGLang-shaped design / fused, graph", t["sglang", "graph"], "s",
-                   bound=t["fused", "graph"], bound_name="fused step",
-                   ratio=t["sglang", "graph"] / t["fused", "graph"], sglang_eager_s=t["sglang", "eager"],
+        return
+    fused_graph = Graph(timer, fused)
+    t_fused = timer.gpu_time(fused_graph.launch)  # the reference, timed beside the benchmark
+    assert w.violations() == 0, "the benchmark workload must step clean"
+    if design == "sglang":
+        report.row(f"{name}: SGLang-shaped design / fused, graph", t, "s", bound=t_fused,
+                   bound_name="fused step", ratio=t / t_fused,
                    target=DESIGN_TARGET if shape == "decode-bs256" else None)
-    report.row(f"{name}: kvcanary plan+verify+write / fused, graph", t["plan", "graph"], "s",
-               bound=t["fused", "graph"], bound_name="fused step", ratio=t["plan", "graph"] / t["fused", "graph"])
+    else:
+        report.row(f"{name}: kvcanary plan+verify+write / fused, graph", t, "s", bound=t_fused,
+                   bound_name="fused step", ratio=t / t_fused)
+
+
+@pytest.mark.parametrize("mode", ["identity", "partial"])
+@pytest.mark.parametrize("shape", list(STEP_SHAPES))
+def test_step_host_time(report, workloads, timer, bounds, shape, mode):
+    w = workloads.get(*STEP_SHAPES[shape])
+    fused, h = step_fn(w, mode, "fused"), timer.handle
+    t = report.host(lambda: fused(h), batch=10, rounds=15, sync=timer.sync)
+    assert w.violations() == 0, "the benchmark workload must step clean"
     floor = LAUNCHES["fused"] * bounds.launch_floor
-    report.row(f"{name}: host time per eager step (kvcanary.ops)", t["host"], "s", bound=floor,
+    report.row(f"step {mode}, {w.label}: host time per eager step (kvcanary.ops)", t, "s", bound=floor,
                bound_name=f"{LAUNCHES['fused']} x raw launch floor")

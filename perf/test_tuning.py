@@ -5,9 +5,10 @@ RM_CHUNKS x VERIFY_LANE_ENTRIES positions of 32 requests) and ``RM_MIN_BLOCKS`` 
 bound: registers per thread, hence blocks per SM). Each combination is compiled here with NVRTC
 into a library of its own (verify.cu only; the prelude rendered with the swept values) and
 launched with the params ops packed for the shipped kernel: the constants change no params
-struct. Rows: decode bs 256 x 4096, identity-only and PARTIAL, each combination's time against
-the bytes it must touch / copy bandwidth, the shipped combination marked. Every run must find the
-workload clean, which also checks each variant's hashing.
+struct. One benchmark per combination and mode (its stats: the launch's GPU time): decode bs
+256 x 4096, identity-only and PARTIAL, against the bytes it must touch / copy bandwidth, the
+shipped combination marked. Every run must find the workload clean, which also checks each
+variant's hashing.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from kvcanary import abi, ops
 from kvcanary.compile import compile_cubin, read_sources
 from kvcanary.driver import check
 
+from .clocks import gpu_timed
 from .workloads import DECODE_256
 
 CHUNKS = (1, 2, 4, 8)
@@ -57,8 +59,11 @@ def variant(rt, chunks: int, min_blocks: int):
     return lib, check(rt.call(cu.cuKernelGetFunction, kernel), "cuKernelGetFunction")
 
 
+@gpu_timed
+@pytest.mark.parametrize("min_blocks", MIN_BLOCKS)
+@pytest.mark.parametrize("chunks", CHUNKS)
 @pytest.mark.parametrize("mode", ["identity", "partial"])
-def test_request_major_launch_shape(report, workloads, timer, bounds, mode):
+def test_request_major_launch_shape(report, workloads, timer, bounds, mode, chunks, min_blocks):
     w = workloads.get(*DECODE_256)
     ctx = w.context(mode)
     plan = w.plan()
@@ -66,33 +71,22 @@ def test_request_major_launch_shape(report, workloads, timer, bounds, mode):
     launch = ops.prepare_fused_verify(ctx, w.batch, plan)
     assert launch.name == "kvc_fused_verify_rm"
     rt = launch.rt
-    bound = w.verify_bytes(mode) / bounds.copy_bandwidth
-    runs = {}
-    for chunks in CHUNKS:
-        for min_blocks in MIN_BLOCKS:
-            lib, fn = variant(rt, chunks, min_blocks)
-            with constants(RM_CHUNKS=chunks, RM_MIN_BLOCKS=min_blocks):  # the grid ops would give it
-                _, grid, _ = ops._verify_kernel("kvc_fused_verify", rt, launch.params, plan.verify_capacity,
-                                                ctx.hash_bytes)
+    lib, fn = variant(rt, chunks, min_blocks)
+    try:
+        with constants(RM_CHUNKS=chunks, RM_MIN_BLOCKS=min_blocks):  # the grid ops would give it
+            _, grid, _ = ops._verify_kernel("kvc_fused_verify", rt, launch.params, plan.verify_capacity,
+                                            ctx.hash_bytes)
 
-            def run(s, fn=fn, grid=grid):
-                check(cu.cuLaunchKernel(fn, grid, 1, 1, abi.BLOCK_THREADS, 1, 1, 0, s, launch.address, 0),
-                      "cuLaunchKernel(tuning)")
-            runs[chunks, min_blocks] = (lib, run, grid)
+        def run(s):
+            check(cu.cuLaunchKernel(fn, grid, 1, 1, abi.BLOCK_THREADS, 1, 1, 0, s, launch.address, 0),
+                  "cuLaunchKernel(tuning)")
 
-    def measure():
-        out = {}
-        for key, (_, run, _) in runs.items():
-            out[key] = timer.gpu_time(run)
-            assert w.violations() == 0, f"chunks, blocks/SM {key}: the workload must verify clean"
-        return out
-
-    times = report.measure(measure)
-    for (chunks, min_blocks), t in times.items():
-        shipped = (chunks, min_blocks) == (abi.RM_CHUNKS, abi.RM_MIN_BLOCKS)
-        report.row(f"tuning: verify fused_rm {mode}, {w.label}, chunks {chunks}, {min_blocks} blocks/SM"
-                   + (" (shipped)" if shipped else ""), t, "s", bound=bound,
-                   bound_name="bytes it must touch / copy bw", chunks=chunks, min_blocks=min_blocks,
-                   grid=runs[chunks, min_blocks][2])
-    for lib, _, _ in runs.values():
+        t = report.gpu(run)
+        assert w.violations() == 0, f"chunks {chunks}, {min_blocks} blocks/SM: the workload must verify clean"
+    finally:
+        timer.sync()
         check(cu.cuLibraryUnload(lib), "cuLibraryUnload")
+    shipped = (chunks, min_blocks) == (abi.RM_CHUNKS, abi.RM_MIN_BLOCKS)
+    report.row(f"tuning: verify fused_rm {mode}, {w.label}, chunks {chunks}, {min_blocks} blocks/SM"
+               + (" (shipped)" if shipped else ""), t, "s", bound=w.verify_bytes(mode) / bounds.copy_bandwidth,
+               bound_name="bytes it must touch / copy bw", chunks=chunks, min_blocks=min_blocks, grid=grid)

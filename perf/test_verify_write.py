@@ -7,8 +7,10 @@ path (``kvcanary.fused_verify``); each against (a) the bytes it must touch / cop
 leaves them (perf/workloads.py); the fused path also runs on contiguous and random layouts, to
 show how much of the gap to the bytes bound is the access pattern's, and where ops launches the
 request-major kernel, the entry-major one runs the same launch for comparison. Write: 256 requests x 1 token (decode) and 1 x 32768
-(prefill), identity-only and ALL; a prefill against the serial-chain probe. GPU time by CUDA
-events, L2 flushed before each repetition. Every timed launch must leave the ring empty.
+(prefill), identity-only and ALL; a prefill against the serial-chain probe. Each benchmark's
+stats are its launch's GPU time (CUDA events, L2 flushed before each round); the probe, the
+entry-major comparison and the bounds are measured beside it with the same timer. Every timed
+launch must leave the ring empty.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pytest
 
 import kvcanary as kc
 
+from .clocks import gpu_timed
 from .workloads import DECODE_256, MODES, write
 
 VERIFY_TARGETS = {("fused", "identity"): ("<=", 1.5), ("fused", "partial"): ("<=", 2.0)}
@@ -36,6 +39,7 @@ def entry_major(ctx, w, plan):
     return lambda s: launch.rt.launch("kvc_fused_verify", grid, block, launch.address, s)
 
 
+@gpu_timed
 @pytest.mark.parametrize("design,layout", [("fused", "decode"), ("plan", "decode"),
                                            ("fused", "contiguous"), ("fused", "random")])
 @pytest.mark.parametrize("mode", list(MODES))
@@ -52,12 +56,10 @@ def test_verify_throughput(report, workloads, timer, bounds, mode, design, layou
 
     em = None if planned else entry_major(ctx, w, plan)
 
-    def measure():
-        return (timer.gpu_time(run), bounds.verify_probe(w, mode, plan if planned else None),
-                em and timer.gpu_time(em))
-
-    t, (probe, probes), t_em = report.measure(measure)
+    t = report.gpu(run)
     assert w.violations() == 0, "the benchmark workload must verify clean"
+    probe, probes = bounds.verify_probe(w, mode, plan if planned else None)
+    t_em = em and timer.gpu_time(em)
     copy = bounds.copy_bandwidth
     must, touched = w.verify_bytes(mode), w.verify_touched(mode, planned)
     name = f"verify {design} {mode}, {w.label}"
@@ -75,6 +77,7 @@ def test_verify_throughput(report, workloads, timer, bounds, mode, design, layou
                    bound_name="copy bw", target=ALL_BANDWIDTH_TARGET if (design, layout) == ("fused", "decode") else None)
 
 
+@gpu_timed
 @pytest.mark.parametrize("mode", ["identity", "all"])
 @pytest.mark.parametrize("shape", ["decode", "prefill"])
 def test_write_throughput(report, workloads, timer, bounds, shape, mode):
@@ -82,7 +85,7 @@ def test_write_throughput(report, workloads, timer, bounds, shape, mode):
     ctx = w.context(mode)
     plan = w.plan()
     kc.build_plan(w.batch, plan, stream=timer.handle)
-    t = report.measure(lambda: timer.gpu_time(lambda s: write(ctx, plan, w.batch, s)))
+    t = report.gpu(lambda s: write(ctx, plan, w.batch, s))
     assert w.violations() == 0, "the benchmark workload must write clean"
     nbytes = w.write_bytes(mode)
     extra = dict(series=f"write {mode}", size=w.new_tokens, **{"entries/s": w.new_tokens / t},

@@ -1,12 +1,16 @@
 """GPU time with CUDA events on a library-created non-blocking stream, and host-time loops.
 
 :class:`GpuTimer` owns one ``CU_STREAM_NON_BLOCKING`` stream (never the legacy stream 0) and two
-events. ``gpu_time(fn)`` calls ``fn(stream_handle)``, which must enqueue its work on that stream,
-and returns the median GPU seconds between an event before and one after it. Before each timed
-repetition it (1) streams a buffer of 4x the L2 through the cache, so the timed work starts cold
-as it does after a model's forward, and (2) enqueues a spin kernel that keeps the GPU busy for
-longer than the host takes to enqueue ``fn`` (measured in the warm-up): the timed region then
-holds GPU work only, never Python launch gaps. Host-side costs are timed with ``host_time``.
+events, and is the backend of the suite's GPU clock (perf/clocks.py): ``start``/``end`` record
+the events on the stream, ``elapsed`` waits for the end event and returns the GPU seconds
+between them. Every GPU measurement, whether pytest-benchmark runs its rounds (the ``report``
+fixture's ``gpu()``) or :meth:`GpuTimer.gpu_time` does (bounds and side measurements), is the
+same: ``prepare(fn)`` calls ``fn(stream)`` a few times (warm-up) to learn the host's enqueue time,
+then before each timed round (untimed) the round setup (1) streams a buffer of 4x the L2 through
+the cache, so the timed work starts cold as it does after a model's forward, and (2) enqueues a
+spin kernel that keeps the GPU busy for twice the host's enqueue time: the timed region then holds
+GPU work only, never Python launch gaps. The round is the clock's start reading, ``fn(stream)``,
+its end reading. Host-side costs are timed with ``host_time`` (bounds) or the report's ``host()``.
 """
 
 from __future__ import annotations
@@ -22,33 +26,50 @@ from cuda.bindings import driver as cu
 from kvcanary import memory
 from kvcanary.driver import check
 
+from .clocks import GPU_CLOCK, EventClock
+
 FLUSH_BYTES = 256 << 20  # 4x the 60 MB L2 of an H200
 
 
 class GpuTimer:
     """CUDA-event timing of work enqueued on :attr:`handle` (primary context current: see conftest)."""
 
-    def __init__(self, rt, probes):
+    def __init__(self, rt, probes, clock: EventClock = GPU_CLOCK):
         self.rt, self.probes = rt, probes
         self.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING.value), "cuStreamCreate")
         self.handle = int(self.stream)
         flags = cu.CUevent_flags.CU_EVENT_DEFAULT.value
-        self.start = check(cu.cuEventCreate(flags), "cuEventCreate")
-        self.end = check(cu.cuEventCreate(flags), "cuEventCreate")
+        self.start_event = check(cu.cuEventCreate(flags), "cuEventCreate")
+        self.end_event = check(cu.cuEventCreate(flags), "cuEventCreate")
         self.flush_buffer = memory.empty((FLUSH_BYTES,), np.uint8)
         probes.fill(self.flush_buffer.ptr, FLUSH_BYTES, 7, self.handle)
         self.sync()
+        self.clock = clock
+        clock.bind(self)
         self.last: dict = {}
 
+    # ---- the clock's backend ------------------------------------------------------------------
+    def start(self) -> None:
+        check(cu.cuEventRecord(self.start_event, self.stream), "cuEventRecord")
+
+    def end(self) -> None:
+        check(cu.cuEventRecord(self.end_event, self.stream), "cuEventRecord")
+
+    def elapsed(self) -> float:
+        check(cu.cuEventSynchronize(self.end_event), "cuEventSynchronize")
+        return float(check(cu.cuEventElapsedTime(self.start_event, self.end_event), "cuEventElapsedTime")) / 1e3
+
+    # ---- rounds ---------------------------------------------------------------------------------
     def sync(self) -> None:
         check(cu.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
 
     def flush_l2(self) -> None:
         self.probes.read(self.flush_buffer.ptr, FLUSH_BYTES, self.handle)
 
-    def gpu_time(self, fn: Callable[[int], object], warmup: int = 5, repeat: int = 30,
-                 flush: bool = True) -> float:
-        """Median GPU seconds of the work ``fn(stream)`` enqueues (details in the module doc)."""
+    def prepare(self, fn: Callable[[int], object], warmup: int = 5, flush: bool = True,
+                per: int = 1) -> Callable[[], None]:
+        """Warm ``fn`` up, configure the clock (``per`` operations per round, the gate) and return
+        the untimed setup of each round: the L2 flush (unless ``flush`` is false) and the spin gate."""
         host = []
         for _ in range(max(1, warmup)):
             self.sync()
@@ -56,21 +77,29 @@ class GpuTimer:
             fn(self.handle)
             host.append(time.perf_counter() - t0)
         self.sync()
-        host_s = statistics.median(host)
         gate_ns = int(min(2.0 * max(host[1:] or host) * 1e9 + 30_000, 50e6))  # first call: one-time costs
-        samples, late = [], 0
-        for _ in range(repeat):
+        self.clock.configure(per=per, gate_ns=gate_ns)
+        self.last = dict(host_enqueue_s=statistics.median(host), gate_ns=gate_ns)
+
+        def setup() -> None:
             if flush:
                 self.flush_l2()
             self.probes.spin(gate_ns, self.handle)
-            t0 = time.perf_counter()
-            check(cu.cuEventRecord(self.start, self.stream), "cuEventRecord")
+
+        return setup
+
+    def gpu_time(self, fn: Callable[[int], object], warmup: int = 5, repeat: int = 30,
+                 flush: bool = True, per: int = 1) -> float:
+        """Median GPU seconds (per ``per`` operations) of the work ``fn(stream)`` enqueues: the
+        rounds pytest-benchmark runs in ``report.gpu()``, run here (bounds, side measurements)."""
+        setup = self.prepare(fn, warmup, flush, per)
+        samples = []
+        for _ in range(repeat):
+            setup()
+            t0 = self.clock()
             fn(self.handle)
-            check(cu.cuEventRecord(self.end, self.stream), "cuEventRecord")
-            late += (time.perf_counter() - t0) * 1e9 > gate_ns  # the GPU may have waited on the host
-            check(cu.cuEventSynchronize(self.end), "cuEventSynchronize")
-            samples.append(float(check(cu.cuEventElapsedTime(self.start, self.end), "cuEventElapsedTime")) / 1e3)
-        self.last = dict(samples_s=samples, host_enqueue_s=host_s, gate_ns=gate_ns, late=late)
+            samples.append(self.clock() - t0)
+        self.last.update(samples_s=samples, late=self.clock.late)
         return statistics.median(samples)
 
     def host_time(self, fns: dict[str, Callable[[], object]], batch: int = 200, repeat: int = 30,
