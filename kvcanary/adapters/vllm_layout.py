@@ -200,11 +200,13 @@ def detect(v, *, layout=None, kv_dim="auto", head_size=None, head_size_v=None) -
     if len(found) == 1:
         return found[0]
     if not found:
+        other = _packed(v, None, head_size, head_size_v) if len(v.shape) == 4 and name else None
+        hint = f" (its strides fit {other.name})" if other is not None else ""
         raise ValidationError(
             f"kv-canary: a vLLM layer cache must be packed [num_blocks, heads, block_size, head_size + head_size_v] "
             f"in a KVCacheLayout {list(KV_CACHE_LAYOUTS)}, split [2, num_blocks, block_size, heads, dim] / "
             f"[num_blocks, 2, ...] or flat [num_blocks, block_size, (heads,) dim], with a contiguous last dim; "
-            f"{'as ' + repr(layout) + ' ' if name else ''}got {got}; fix: pass the runner's own per-layer cache "
+            f"{'as ' + repr(layout) + ' ' if name else ''}got {got}{hint}; fix: pass the runner's own per-layer cache "
             f"tensor and layout=vllm_config.cache_config.kv_cache_layout (head_size_v=0 for MLA)")
     raise ValidationError(
         f"kv-canary: ambiguous vLLM layer cache layout ({got}): it could be {' or '.join(r.name for r in found)} "
