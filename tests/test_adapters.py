@@ -10,6 +10,7 @@ same simulations with torch CUDA tensors and compares the outcome with this host
 
 from __future__ import annotations
 
+import enum
 from types import SimpleNamespace
 
 import numpy as np
@@ -24,6 +25,9 @@ from kvcanary.hashing import sm
 from kvcanary.sources import marshal_sources
 
 ALL, PARTIAL = abi.HashMode.ALL, abi.HashMode.PARTIAL
+# SGLang's ForwardMode (forward_batch_info.py): the same members in the same order (IntEnum, auto()).
+ForwardMode = enum.IntEnum("ForwardMode", ["EXTEND", "DECODE", "MIXED", "IDLE", "TARGET_VERIFY", "DRAFT_EXTEND_V2",
+                                           "PREBUILT", "SPLIT_PREFILL", "DLLM_EXTEND"])
 LENS = (20, 33, 7)   # prompt lengths of the simulated requests
 WINDOW = 8           # SWA window of the simulated hybrid pool
 
@@ -144,7 +148,8 @@ def test_sglang_swa_groups():
     pool.full_to_swa_index_mapping = None
     with pytest.raises(kc.ValidationError, match="register_mapping"):
         sglang_groups(pool, window=WINDOW)
-    fb = SimpleNamespace(req_pool_indices=np.array([1, 1]), seq_lens=np.array([3, 4]), extend_seq_lens=None,
+    fb = SimpleNamespace(forward_mode=ForwardMode.DECODE, req_pool_indices=np.array([1, 1]), seq_lens=np.array([3, 4]),
+                         extend_seq_lens=None,
                          input_ids=np.array([7, 8], np.int32), positions=np.array([2, 3]),
                          out_cache_loc=np.array([-1, 3]))
     swa_loc = sglang_batch(fb, np.zeros((2, 4), np.int32), full_to_swa=np.arange(10, 20)).swa_out_cache_loc
@@ -153,14 +158,14 @@ def test_sglang_swa_groups():
 
 def test_sglang_batch_extend_and_decode():
     rtt = np.zeros((3, 8), np.int32)
-    ext = SimpleNamespace(req_pool_indices=np.array([1, 2]), seq_lens=np.array([5, 3], np.int32),
+    ext = SimpleNamespace(forward_mode=ForwardMode.EXTEND, req_pool_indices=np.array([1, 2]), seq_lens=np.array([5, 3], np.int32),
                           extend_prefix_lens=np.array([2, 0], np.int32), extend_seq_lens=np.array([3, 3], np.int32),
                           input_ids=np.arange(6, dtype=np.int32), positions=np.array([2, 3, 4, 0, 1, 2]),
                           out_cache_loc=np.arange(10, 16))
     b = sglang_batch(ext, SimpleNamespace(req_to_token=rtt))
     assert (b.prefix_lens.tolist(), b.extend_lens.tolist(), b.input_ids.dtype, b.req_to_token is rtt) == \
         ([2, 0], [3, 3], np.int64, True)
-    dec = SimpleNamespace(req_pool_indices=np.array([1, 2]), seq_lens=np.array([6, 4]), input_ids=np.array([1, 2]),
+    dec = SimpleNamespace(forward_mode=ForwardMode.DECODE, req_pool_indices=np.array([1, 2]), seq_lens=np.array([6, 4]), input_ids=np.array([1, 2]),
                           positions=np.array([5, 3]), out_cache_loc=np.array([16, 17]))
     b = sglang_batch(dec, rtt)
     assert (b.prefix_lens.tolist(), b.extend_lens.tolist()) == ([5, 3], [1, 1])
@@ -322,7 +327,8 @@ def run_sglang(kind, be=Host, *, steps=4, corrupt=None, seed=0, **kw):
         pos = np.concatenate([np.arange(p, p + e) for p, e in zip(prefix, extend)])
         ids = np.concatenate([t[p:p + e] for t, p, e in zip(tokens, prefix, extend)]).astype(np.int32)
         loc = np.concatenate([rtt[r + 1, p:p + e] for r, (p, e) in enumerate(zip(prefix, extend))]).astype(np.int64)
-        fb = SimpleNamespace(req_pool_indices=be.arr(np.arange(1, 4)), seq_lens=be.arr(np.add(prefix, extend)),
+        fb = SimpleNamespace(forward_mode=ForwardMode.EXTEND if k == 0 else ForwardMode.DECODE,
+                             req_pool_indices=be.arr(np.arange(1, 4)), seq_lens=be.arr(np.add(prefix, extend)),
                              extend_seq_lens=be.arr(np.array(extend, np.int32)) if k == 0 else None,
                              extend_prefix_lens=be.arr(np.array(prefix, np.int32)), input_ids=be.arr(ids),
                              positions=be.arr(pos), out_cache_loc=be.arr(loc))

@@ -48,6 +48,20 @@ def select_layers(num_layers: int, layers=None, *, sources_per_layer: int = 1, w
     return picked
 
 
+_MISSING = object()
+
+
+def require_attr(obj, name: str, what: str, fix: str):
+    """``obj.name``, or a :class:`ValidationError` naming the attribute that is missing: the engine
+    object is not of the layout this adapter was written against (SPEC: errors say expected / got / fix)."""
+    value = getattr(obj, name, _MISSING)
+    if value is _MISSING:
+        public = sorted(a for a in dir(obj) if not a.startswith("__"))[:24]
+        raise ValidationError(f"kv-canary: expected {what} ({type(obj).__name__}) to have attribute {name!r}, "
+                              f"got an object without it (attributes: {public}); fix: {fix}")
+    return value
+
+
 def layer_list(buffers, what: str) -> list:
     """A per-layer list from a list/tuple of arrays or one stacked ``[layers, ...]`` array."""
     if buffers is None:

@@ -9,18 +9,24 @@ Duck-typed on the attributes SGLang's pools carry; SGLang itself is never import
   ``kv_scale_buffer[i]`` beside the data, ``[slots, ...]``: each fingerprinted layer then
   contributes a data source and a scale source, so a corrupted scale is caught like a corrupted value;
 - hybrid SWA (``SWAKVPool``): ``full_kv_pool`` and ``swa_kv_pool`` (each one of the above) and the
-  int64 map ``full_to_swa_index_mapping`` from full-pool slots to SWA-pool slots.
+  int64 map ``full_to_swa_index_mapping`` from full-pool slots to SWA-pool slots. The pool does not
+  carry the window (no ``sliding_window_size``): pass ``window=``.
 
 Sources are zero-copy views of the live buffers (SPEC §4): slot ``s`` is row ``s`` of every layer.
+A tensor whose rows are not a multiple of 16 bytes (MLATokenToKVPoolFP4's 36-byte scale rows for a
+576-wide cache) cannot be fingerprinted in place and is refused with the fix (``scales=False``).
+:func:`sglang_batch` is in :mod:`.sglang_batch`.
 """
 
 from __future__ import annotations
 
+import math
+
 from ..errors import ValidationError
 from ..manager import KvCanary, PoolGroup
-from ..plan import Batch
 from ..sources import source_from_slots
-from .common import astype, check_sizes, device_ordinal, layer_list, select_layers, where
+from .common import astype, check_sizes, device_ordinal, layer_list, select_layers
+from .sglang_batch import sglang_batch  # noqa: F401  (re-exported)
 
 _SCALE_NAMES = {"K": ("k_scale_buffer", "kv_scale_buffer"), "V": ("v_scale_buffer",)}
 
@@ -53,7 +59,12 @@ def _scales(pool, half: str, scales) -> list | None:
     return None
 
 
-def _source(tensor, what: str, read_bytes):
+def _source(tensor, what: str, read_bytes, fix: str):
+    row = math.prod(int(d) for d in tensor.shape[1:]) * int(getattr(tensor, "itemsize", 0) or tensor.dtype.itemsize)
+    if row % 16:
+        raise ValidationError(f"kv-canary: the {what} holds {row} bytes per token (shape {tuple(tensor.shape)}), "
+                              f"not a multiple of 16: kvcanary fingerprints 16-byte words at 16-byte aligned rows, "
+                              f"so these rows cannot be read in place; fix: {fix}")
     try:
         return source_from_slots(tensor, read_bytes=read_bytes)
     except ValidationError as exc:
@@ -76,9 +87,12 @@ def sglang_sources(pool, *, layers=None, scales="auto", read_bytes: int | None =
     for h, bufs in halves.items():
         srcs = []
         for i in chosen:
-            srcs.append(_source(bufs[i], f"{h} layer {i}", read_bytes))
+            srcs.append(_source(bufs[i], f"{h} layer {i}", read_bytes,
+                                "fingerprint=False (identity checks only: token, position and hash chain)"))
             if scale_of[h] is not None:
-                srcs.append(_source(scale_of[h][i], f"{h} scales of layer {i}", None))
+                srcs.append(_source(scale_of[h][i], f"{h} scales of layer {i}", None,
+                                    "scales=False (the data is still fingerprinted; identity checks cover every "
+                                    "slot)"))
         out[h] = srcs
     return out["K"], out.get("V", [])
 
@@ -88,71 +102,49 @@ def _num_slots(pool) -> int:
     return check_sizes([b.shape[0] for b in bufs], "SGLang pool")
 
 
-def sglang_pool_group(pool, *, layers=None, scales="auto", read_bytes: int | None = None) -> PoolGroup:
+def sglang_pool_group(pool, *, layers=None, scales="auto", read_bytes: int | None = None,
+                      fingerprint: bool = True) -> PoolGroup:
     """A :class:`PoolGroup` for one MHA or MLA pool; its slots are the buffers' rows (slot 0 is
-    SGLang's padding slot, which kvcanary never verifies)."""
+    SGLang's padding slot, which kvcanary never verifies). ``fingerprint=False``: no real-KV
+    sources (identity checks only)."""
+    if not fingerprint:
+        return PoolGroup(_num_slots(pool), (), (), halves=("K",))
     k, v = sglang_sources(pool, layers=layers, scales=scales, read_bytes=read_bytes)
     halves = ("K", "V") if v else ("K",)
     return PoolGroup(_num_slots(pool), k, v, halves=halves)
 
 
 def sglang_groups(pool, *, layers=None, swa_layers=None, window: int | None = None, scales="auto",
-                  read_bytes: int | None = None) -> tuple[PoolGroup, PoolGroup | None]:
+                  read_bytes: int | None = None, fingerprint: bool = True) -> tuple[PoolGroup, PoolGroup | None]:
     """``(full, swa)`` groups of any SGLang-style pool; ``swa`` is None unless the pool is a hybrid
     SWA pool, which also needs the sliding ``window`` (tokens; SGLang keeps it on the model config)
     and a registered ``full_to_swa_index_mapping``. ``swa_layers`` picks SWA-pool layers like
     ``layers`` picks full-pool layers."""
+    opts = dict(scales=scales, read_bytes=read_bytes, fingerprint=fingerprint)
     if not is_swa_pool(pool):
-        return sglang_pool_group(pool, layers=layers, scales=scales, read_bytes=read_bytes), None
+        return sglang_pool_group(pool, layers=layers, **opts), None
     window = window if window is not None else getattr(pool, "sliding_window_size", None)
     if window is None or int(window) < 1:
-        raise ValidationError(f"kv-canary: a hybrid SWA pool needs window= (the sliding window in tokens, "
-                              f"e.g. model_config.sliding_window), got {window!r}")
+        raise ValidationError(f"kv-canary: a hybrid SWA pool needs window= (the sliding window in tokens), got "
+                              f"{window!r}: SGLang's SWAKVPool does not carry it; fix: pass "
+                              f"window=model_runner.sliding_window_size (or the model config's sliding_window)")
     mapping = getattr(pool, "full_to_swa_index_mapping", None)
     if mapping is None:
         raise ValidationError("kv-canary: the SWA pool has no full_to_swa_index_mapping yet; fix: build the "
                               "canary after the SWA allocator registered its mapping (register_mapping)")
-    full = sglang_pool_group(pool.full_kv_pool, layers=layers, scales=scales, read_bytes=read_bytes)
-    swa = sglang_pool_group(pool.swa_kv_pool, layers=swa_layers, scales=scales, read_bytes=read_bytes)
+    full = sglang_pool_group(pool.full_kv_pool, layers=layers, **opts)
+    swa = sglang_pool_group(pool.swa_kv_pool, layers=swa_layers, **opts)
     swa.window, swa.full_to_swa = int(window), astype(mapping, "int64")
     return full, swa
 
 
 def sglang_canary(pool, *, layers=None, swa_layers=None, window: int | None = None, scales="auto",
-                  read_bytes: int | None = None, device="auto", **kwargs) -> KvCanary:
+                  read_bytes: int | None = None, fingerprint: bool = True, device="auto", **kwargs) -> KvCanary:
     """A :class:`KvCanary` shadowing ``pool`` on the pool's device (host pools run the CPU
     reference). Other keyword arguments go to :class:`KvCanary` (hash_mode, mode, max_batch, ...)."""
     full, swa = sglang_groups(pool, layers=layers, swa_layers=swa_layers, window=window, scales=scales,
-                              read_bytes=read_bytes)
+                              read_bytes=read_bytes, fingerprint=fingerprint)
     if device == "auto":
-        device = device_ordinal(full.k_sources[0].tensor)
+        first = pool.full_kv_pool if is_swa_pool(pool) else pool
+        device = device_ordinal(next(iter(_halves(first).values()))[0])
     return KvCanary(full, swa, device=device, **kwargs)
-
-
-def sglang_batch(forward_batch, req_to_token, *, full_to_swa=None, expected_input_ids=None,
-                 expected_positions=None) -> Batch:
-    """A :class:`Batch` from an SGLang-style ``ForwardBatch`` (duck-typed: ``req_pool_indices``,
-    ``seq_lens``, ``extend_prefix_lens``/``extend_seq_lens`` in extend mode, ``input_ids``,
-    ``positions``, ``out_cache_loc``) and ``req_to_token`` (a ``ReqToTokenPool`` or its int32 array).
-
-    Decode batches (no ``extend_seq_lens``) get one new token per request. With ``full_to_swa``
-    the SWA slots of the new tokens are gathered from it on the device. Only dtype casts and
-    elementwise arithmetic run, on the arrays' device; nothing is read back to the host."""
-    fb = forward_batch
-    rtt = getattr(req_to_token, "req_to_token", req_to_token)
-    seq = astype(fb.seq_lens, "int64")
-    ext = getattr(fb, "extend_seq_lens", None)
-    if ext is None:
-        extend, prefix = seq * 0 + 1, seq - 1
-    else:
-        extend = astype(ext, "int64")
-        pre = getattr(fb, "extend_prefix_lens", None)
-        prefix = seq - extend if pre is None else astype(pre, "int64")
-    loc = astype(fb.out_cache_loc, "int64")
-    swa_loc = None
-    if full_to_swa is not None:  # -1 (skip) stays -1 whatever the map's last entry holds
-        swa_loc = where(loc < 0, loc, astype(full_to_swa, "int64")[loc])
-    return Batch(astype(fb.req_pool_indices, "int64"), prefix, extend, astype(rtt, "int32"),
-                 input_ids=astype(fb.input_ids, "int64"), positions=astype(fb.positions, "int64"),
-                 out_cache_loc=loc, swa_out_cache_loc=swa_loc, expected_input_ids=expected_input_ids,
-                 expected_positions=expected_positions)

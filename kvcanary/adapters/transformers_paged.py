@@ -1,23 +1,28 @@
 """Hugging Face ``transformers`` continuous batching (``generate_batch``, paged KV cache) with the canary on.
 
 :class:`TransformersCanary` attaches a :class:`~kvcanary.KvCanary` to a model that generates with
-``attn_implementation="paged|sdpa"`` (or ``paged|eager``), without editing transformers. It patches
-instances only, at runtime:
+``generate_batch`` / ``init_continuous_batching`` (``attn_implementation="sdpa"``, ``"paged|eager"``
+or a flash implementation), without editing transformers. Supported: transformers
+:data:`~.transformers_layout.SUPPORTED_TRANSFORMERS` (anything else raises a ``kv-canary:`` error
+naming the range). It patches instances only, at runtime:
 
 - ``model.init_continuous_batching``: the returned manager gets a wrapped ``_create_batch_processor``
-  and a config with CUDA graphs, torch.compile, async batching and the flash decode fast path off
-  (each step's canary bookkeeping runs in Python; those modes would replay the step without it);
-- the new batch processor: block 0 is taken out of the block manager's free list (kvcanary never
-  verifies slot 0, its padding slot); ``inputs_and_outputs.prepare_batch_tensors`` is wrapped to
-  note each scheduled request's past and query lengths and expected tokens (prompt + generated
-  tokens, from the request state); ``model_runner.compute_batch`` is wrapped to run the HEAD stage
-  before the forward and the TAIL stage after it, on the compute stream.
+  and a config with CUDA graphs, torch.compile, async batching, the flash decode fast path and CPU
+  offloading off (each step's canary bookkeeping runs in Python; those modes would replay or move
+  the step's KV without it), with a warning when one was on;
+- the new batch processor: ``inputs_and_outputs.prepare_batch_tensors`` is wrapped to note each
+  scheduled request's past and query lengths and expected tokens (prompt + generated tokens, from
+  the request state); ``model_runner.compute_batch`` is wrapped to run the HEAD stage before the
+  forward and the TAIL stage after it, on the compute stream.
 
-The canary reads what the attention reads: request lengths come from ``cu_seq_lens_q/k``, slots
-from ``read_index`` (expanded on the device into a ``req_to_token`` map) and ``write_index``, tokens
-and positions from the model inputs. Only the expected tokens come from the host.
-Supported: models whose layers all use full attention (one cache group), one generation at a time.
-Forks (``num_return_sequences > 1``) and CPU offloading copy KV blocks without their canary records.
+The engine's cache, block pool and scheduling are left whole: canary slots are the cache's own
+token positions (:class:`~.transformers_layout.PagedLayout`), so attaching the canary changes
+neither which blocks requests get nor what is generated. The canary reads what the attention
+reads: request lengths from ``cu_seq_lens_q/k``, slots from ``read_index`` (expanded on the device
+into a ``req_to_token`` map) and ``write_index``, tokens and positions from the model inputs. Only
+the expected tokens come from the host. Supported: models whose layers all use full attention (one
+cache allocator), one generation at a time; forks (``num_return_sequences > 1``) copy KV blocks
+without their canary records and are refused.
 """
 
 from __future__ import annotations
@@ -29,8 +34,7 @@ from dataclasses import dataclass, field
 from ..errors import ValidationError
 from ..manager import KvCanary, PoolGroup
 from ..plan import Batch
-from ..sources import source_from_slots
-from .common import select_layers
+from .transformers_layout import PagedLayout, check_transformers_version
 
 
 @dataclass
@@ -67,6 +71,11 @@ def _tokens(state, start: int, count: int) -> list[int]:
     return head + list(state.generated_tokens[max(0, start - len(first)):end - len(first)])
 
 
+def _installed_transformers() -> str:
+    import transformers
+    return transformers.__version__
+
+
 class TransformersCanary:
     """Canary for ``model.generate_batch``/``init_continuous_batching`` of a transformers model.
 
@@ -76,18 +85,21 @@ class TransformersCanary:
     optional callbacks around each forward (observability, fault injection in tests). Other
     keyword arguments go to :class:`KvCanary` (``verify_capacity``, ``ring_capacity``, ...).
     Counters: :attr:`steps`, :attr:`requests` (ids seen), :attr:`detections` (violation records,
-    each with the step it happened in), :meth:`summary`.
+    each with the step it happened in), :meth:`summary`. Raises a ``kv-canary:`` error at
+    construction when the installed transformers is outside the supported range.
     """
 
     def __init__(self, model, *, layers=None, hash_mode: str = "partial", mode: str = "log",
                  check_inputs: bool = True, before_step=None, after_step=None, **kvcanary_kwargs):
+        self.transformers_version = check_transformers_version(_installed_transformers())
         self.model, self.layers, self.hash_mode, self.mode = model, layers, hash_mode, mode
         self.check_inputs, self.before_step, self.after_step = check_inputs, before_step, after_step
         self.kvcanary_kwargs = kvcanary_kwargs
         self.canary: KvCanary | None = None
-        self.cache = None
+        self.cache = self.layout = None
         self.steps = 0
         self.requests: set = set()
+        self.prefix_shared_tokens = 0     # cached tokens of requests first scheduled with past > 0
         self.detections: list[dict] = []
         self.step_log: list[dict] = []
         self._patched: list = []          # (object, attribute name) of every instance patch
@@ -129,17 +141,24 @@ class TransformersCanary:
         self._patched.clear()
 
     def _hook_manager(self, manager) -> None:
+        forks = int(getattr(manager, "num_return_sequences", 1) or 1)
+        if forks > 1:
+            raise ValidationError(f"kv-canary: TransformersCanary supports one sequence per request, got "
+                                  f"num_return_sequences={forks} (forks copy KV blocks without their canary "
+                                  f"records); fix: generate with num_return_sequences=1")
         cfg = manager.continuous_batching_config
         off = [name for name, on in (("CUDA graphs", any(cfg.cuda_graph_booleans)),
                                      ("async batching", cfg.use_async_batching),
                                      ("the flash decode fast path", cfg.max_blocks_per_request),
-                                     ("torch.compile", cfg.varlen_compile_config or cfg.decode_compile_config))
+                                     ("torch.compile", cfg.varlen_compile_config or cfg.decode_compile_config),
+                                     ("CPU offloading", cfg.cpu_offload_space))
                if on]
         if off:
             warnings.warn(f"kv-canary: turning off {', '.join(off)} for continuous batching: the canary "
                           f"checks every step from Python", RuntimeWarning, stacklevel=3)
         cfg.use_cuda_graph, cfg.use_async_batching, cfg.max_blocks_per_request = (False, False), False, 0
         cfg.varlen_compile_config = cfg.decode_compile_config = None
+        cfg.cpu_offload_space = 0.0
         if "_create_batch_processor" in vars(manager):
             return
         original = manager._create_batch_processor
@@ -153,22 +172,16 @@ class TransformersCanary:
 
     def _attach_processor(self, processor) -> None:
         cache = processor.cache
-        if cache.num_groups != 1 or cache.num_sliding_attention_groups:
-            raise ValidationError("kv-canary: TransformersCanary supports models whose layers all use full "
-                                  f"attention (one cache group), got {cache.num_groups} groups")
+        layout = PagedLayout(cache)
         self.finish()
-        self._reserve_padding_block(cache)
-        layer_slot = cache.layer_index_to_group_indices
-        chosen = select_layers(len(layer_slot), self.layers, what="model")
-        k = [source_from_slots(cache.key_cache[layer_slot[i][1]]) for i in chosen]
-        v = [source_from_slots(cache.value_cache[layer_slot[i][1]]) for i in chosen]
-        dev = cache.key_cache[0].device
+        k, v = layout.sources(self.layers)
+        dev = cache.cache_tensor.device
         device = None if dev.type == "cpu" else (dev.index if dev.index is not None else 0)
         io = processor.inputs_and_outputs
-        self.canary = KvCanary(PoolGroup(int(cache.key_cache[0].shape[0]), k, v), device=device,
-                               hash_mode=self.hash_mode, mode=self.mode, max_batch=io.max_requests_per_batch,
-                               export=self._record, **self.kvcanary_kwargs)
-        self.cache, self._rtt = cache, None
+        self.canary = KvCanary(PoolGroup(layout.num_slots, k, v), device=device, hash_mode=self.hash_mode,
+                               mode=self.mode, max_batch=io.max_requests_per_batch, export=self._record,
+                               **self.kvcanary_kwargs)
+        self.cache, self.layout, self._rtt = cache, layout, None
         processor._kvcanary = self
         prepare, compute = io.prepare_batch_tensors, processor.model_runner.compute_batch
 
@@ -181,21 +194,16 @@ class TransformersCanary:
         self._patch(io, "prepare_batch_tensors", prepare_batch_tensors)
         self._patch(processor.model_runner, "compute_batch", compute_batch)
 
-    @staticmethod
-    def _reserve_padding_block(cache) -> None:
-        free = cache._block_manager._uninit_block_ids
-        if 0 in free:
-            free.remove(0)
-        else:
-            warnings.warn("kv-canary: block 0 is already in use, so its first slot (the canary's padding "
-                          "slot) is never verified; attach before the first generation", RuntimeWarning)
-
     # ---- per step ----------------------------------------------------------------------------------
     def _note_requests(self, requests_in_batch) -> None:
+        """After ``prepare_batch_tensors`` (which advanced each ``position_offset`` by the query)."""
         p = _Pending()
         for future in requests_in_batch:
             state, q = future.state, future.query_length
             past = state.position_offset - q
+            if state.request_id not in self.requests and past > 0:
+                self.prefix_shared_tokens += past  # admitted with a prefix already in the cache
+            self.requests.add(state.request_id)
             p.requests.append((state.request_id, past, q))
             p.states.append(state)
             p.ids.extend(_tokens(state, past, q))
@@ -220,7 +228,6 @@ class TransformersCanary:
             self.canary.after_forward(info.batch, stream=stream)
         if self.after_step is not None:
             self.after_step(info)
-        self.requests.update(r for r, _, _ in pending.requests)
         self.step_log.append({"step": self.steps, "requests": len(pending.requests),
                               "new_tokens": len(pending.ids),
                               "cached_tokens": sum(past for _, past, _ in pending.requests)})
@@ -249,7 +256,7 @@ class TransformersCanary:
             j = torch.arange(read.numel(), device=read.device)
             r = torch.searchsorted(cu_k[1:].contiguous(), j, right=True).clamp_(max=n - 1)
             col = (j - cu_k[r]).clamp_(0, rtt.shape[1] - 1)  # bad lengths: wrong slots, never a device fault
-            rtt[r + 1, col] = read.to(torch.int32)
+            rtt[r + 1, col] = self.layout.to_slots(read).to(torch.int32)
         ids = data["input_ids"][0].to(torch.int64)
         pos = data["position_ids"][0].to(torch.int64)
         exp_ids = exp_pos = None
@@ -262,7 +269,7 @@ class TransformersCanary:
             exp = exp.to(ids.device)
             exp_ids, exp_pos = exp[0], exp[1]
         return Batch(torch.arange(1, n + 1, device=cu_q.device), prefix, extend, rtt, input_ids=ids,
-                     positions=pos, out_cache_loc=write, expected_input_ids=exp_ids,
+                     positions=pos, out_cache_loc=self.layout.to_slots(write), expected_input_ids=exp_ids,
                      expected_positions=exp_pos)
 
     # ---- reporting ---------------------------------------------------------------------------------
@@ -279,13 +286,13 @@ class TransformersCanary:
             self.canary = None
 
     def summary(self) -> dict:
-        """Requests, steps, verified slots, protected tokens and detections so far (flushes)."""
+        """Requests, steps, verified slots, protected tokens, detections and the prefix-shared tokens
+        (cached tokens of requests admitted with a prefix already in the cache) so far (flushes)."""
         stats = list(self._finished)
         if self.canary is not None:
             self.canary.flush()
             stats.append(self.canary.stats())
-        total = lambda key: sum(s[key] for s in stats)  # noqa: E731
+        total = lambda key: sum(s.get(key, 0) for s in stats)  # noqa: E731
         return {"requests": len(self.requests), "steps": self.steps, "verified_slots": total("verified_slots"),
                 "protected_tokens": total("protected_tokens"), "detections": len(self.detections),
-                "skipped_verifies": total("skipped_verifies"),
-                "prefix_shared_tokens": getattr(self.cache, "_total_prefix_length", 0)}
+                "skipped_verifies": total("skipped_verifies"), "prefix_shared_tokens": self.prefix_shared_tokens}

@@ -1,13 +1,11 @@
-"""vLLM-style paged KV caches and block tables.
+"""vLLM-style paged KV caches, block tables and attention metadata.
 
-Per-layer caches, duck-typed (vLLM is never imported):
-
-- ``[2, num_blocks, block_size, heads, dim]`` (FlashAttention backend, ``kv_dim=0``) and
-  ``[num_blocks, 2, block_size, heads, dim]`` (FlashInfer, ``kv_dim=1``): a K and a V source;
-- the same with the HND physical layout (strides of ``[.., heads, block_size, dim]``): the sources
-  cover head 0 of each token, the only bytes of a token that are contiguous;
-- flattened ``[num_blocks, block_size, ...]`` caches (MLA ``[blocks, block_size, head_size]``, or one
-  half): one source.
+Per-layer caches, duck-typed (vLLM is never imported); :mod:`.vllm_layout` detects each layer's
+layout from its shape AND strides: vLLM main's packed ``[num_blocks, heads, block_size, 2 *
+head_size]`` views in any ``KVCacheLayout`` (pass ``layout=cache_config.kv_cache_layout``), the
+older split ``[2, num_blocks, block_size, heads, dim]`` / ``[num_blocks, 2, ...]`` caches and flat
+MLA ``[num_blocks, block_size, dim]`` ones. A shape the strides cannot place, or a 4-D cache that
+fits more than one layout, is a ``kv-canary:`` error naming the candidates.
 
 Slot ``s`` is token ``s % block_size`` of block ``s // block_size`` (vLLM's slot mapping), so the
 canary has ``num_blocks * block_size`` slots and slot 0 is in vLLM's reserved null block.
@@ -15,72 +13,39 @@ canary has ``num_blocks * block_size`` slots and slot 0 is in vLLM's reserved nu
 vLLM has a block table instead of ``req_to_token``: :func:`block_table_to_req_to_token` expands it
 on the arrays' own device (torch ops for torch tensors, CuPy for CuPy arrays, numpy on the host),
 with no host round trip, and :func:`vllm_batch` turns vLLM's attention metadata into a
-:class:`~kvcanary.Batch` (``slot_mapping`` becomes ``out_cache_loc``).
+:class:`~kvcanary.Batch` (``slot_mapping`` becomes ``out_cache_loc``). In vLLM V1
+``forward_context.attn_metadata`` is a dict keyed by layer name (a list of such dicts with
+micro-batching): :func:`vllm_metadata` picks one layer's entry, :func:`vllm_batch_from_metadata`
+reads it.
 """
 
 from __future__ import annotations
 
-import numpy as np
-
-from ..arrays import as_view, from_pointer
+from ..arrays import as_view
 from ..errors import ValidationError
 from ..manager import KvCanary, PoolGroup
 from ..plan import Batch
-from ..sources import RealKvSource, resolved, sources_from_pages
-from .common import arange, astype, check_sizes, device_ordinal, select_layers, where, zeros
+from ..sources import resolved
+from .common import arange, astype, check_sizes, device_ordinal, require_attr, select_layers, where, zeros
+from .vllm_layout import detect
 
 
-def _drop_dim(v, dim: int, index: int):
-    """The view ``v`` with dimension ``dim`` fixed at ``index`` (no copy)."""
-    shape = v.shape[:dim] + v.shape[dim + 1:]
-    strides = v.strides[:dim] + v.strides[dim + 1:]
-    return from_pointer(v.ptr + index * v.strides[dim], shape, v.dtype, device=v.device, strides=strides,
-                        readonly=v.readonly, owner=v)
-
-
-def _paged_source(v, read_bytes, what: str) -> RealKvSource:
-    """Source of a ``[blocks, block_size, ...]`` view: NHD (contiguous after dim 0) or, for 4-D, HND."""
-    item = v.dtype.itemsize
-    if len(v.shape) == 4:
-        blocks, bs, heads, dim = v.shape
-        hnd = (v.strides[3] == item and v.strides[1] == dim * item and v.strides[2] == bs * dim * item
-               and heads > 1)
-        if hnd:  # head 0 of every token: bytes [0, bs * dim * item) of each block
-            rows = from_pointer(v.ptr, (blocks, bs * dim * item), np.uint8, device=v.device,
-                                strides=(v.strides[0], 1), readonly=v.readonly, owner=v)
-            return RealKvSource(rows, bs, dim * item, read_bytes)
-    try:
-        return sources_from_pages(v, read_bytes=read_bytes)
-    except ValidationError as exc:
-        raise ValidationError(f"{exc} [{what}: expected [num_blocks, block_size, ...] in NHD or HND layout, "
-                              f"got shape {v.shape}, strides {v.strides} bytes]") from exc
-
-
-def _kv_dim(shape, kv_dim):
-    if kv_dim != "auto":
-        return kv_dim
-    if len(shape) != 5:
-        return None
-    first, second = shape[0] == 2, shape[1] == 2
-    if first != second:
-        return 0 if first else 1
-    raise ValidationError(f"kv-canary: cannot tell the K/V dimension of a cache of shape {tuple(shape)}; fix: "
-                          f"pass kv_dim=0 for [2, blocks, block_size, heads, dim] or kv_dim=1 for "
-                          f"[blocks, 2, block_size, heads, dim]")
-
-
-def vllm_layer_sources(cache, *, kv_dim="auto", read_bytes: int | None = None):
-    """``(k_source, v_source)`` of one layer's cache; ``v_source`` is None for a flattened cache
-    without a K/V dimension (``kv_dim=None``, the default for fewer than 5 dims)."""
+def vllm_layer_layout(cache, *, layout=None, kv_dim="auto", head_size=None, head_size_v=None):
+    """The detected :class:`~.vllm_layout.LayerLayout` of one layer's cache. ``kv_dim=None`` (the old
+    spelling for a cache without a K/V dimension) means ``layout="flat"``."""
+    if kv_dim is None and layout is None:
+        layout, kv_dim = "flat", "auto"
     v = resolved(as_view(cache, name="vLLM cache"))
-    dim = _kv_dim(v.shape, kv_dim)
-    if dim is None:
-        return _paged_source(v, read_bytes, "vLLM cache"), None
-    if dim not in (0, 1) or v.shape[dim] != 2 or len(v.shape) < 4:
-        raise ValidationError(f"kv-canary: kv_dim={dim} must name a dimension of extent 2 (0 or 1) of a cache "
-                              f"of at least 4 dims, got shape {v.shape}")
-    k, val = (_paged_source(_drop_dim(v, dim, h), read_bytes, f"vLLM cache half {h}") for h in (0, 1))
-    return k, val
+    return detect(v, layout=layout, kv_dim=kv_dim, head_size=head_size, head_size_v=head_size_v)
+
+
+def vllm_layer_sources(cache, *, layout=None, kv_dim="auto", head_size=None, head_size_v=None,
+                       read_bytes: int | None = None):
+    """``(k_source, v_source)`` of one layer's cache; ``v_source`` is None for a cache with one half
+    (flat, or packed MLA with ``head_size_v=0``). ``read_bytes`` caps the bytes hash mode ALL reads."""
+    srcs = vllm_layer_layout(cache, layout=layout, kv_dim=kv_dim, head_size=head_size,
+                             head_size_v=head_size_v).sources(read_bytes)
+    return srcs[0], (srcs[1] if len(srcs) > 1 else None)
 
 
 def _layers(kv_caches) -> list:
@@ -91,26 +56,36 @@ def _layers(kv_caches) -> list:
     return [kv_caches]
 
 
-def vllm_pool_group(kv_caches, *, layers=None, kv_dim="auto", read_bytes: int | None = None) -> PoolGroup:
-    """A :class:`PoolGroup` over per-layer caches (a list, a dict name -> tensor in layer order,
-    or one tensor). ``layers``: None/"first", "all" or a list of layer indices."""
+def vllm_pool_group(kv_caches, *, layers=None, layout=None, kv_dim="auto", head_size=None, head_size_v=None,
+                    read_bytes: int | None = None, fingerprint: bool = True) -> PoolGroup:
+    """A :class:`PoolGroup` over per-layer caches (a list, a dict name -> tensor in layer order, or
+    one tensor). ``layers``: None/"first", "all" or a list of layer indices. ``fingerprint=False``
+    builds no real-KV sources (identity checks only), for caches whose tokens cannot be read as
+    16-byte words (e.g. fp8_ds_mla's 584 B per token)."""
     caches = _layers(kv_caches)
     chosen = select_layers(len(caches), layers, what="vLLM cache list")
-    pairs = [vllm_layer_sources(caches[i], kv_dim=kv_dim, read_bytes=read_bytes) for i in chosen]
-    slots = check_sizes([k.view.shape[0] * k.page_size for k, _ in pairs], "vLLM cache list")
-    k_src = [k for k, _ in pairs]
-    v_src = [v for _, v in pairs if v is not None]
-    if v_src and len(v_src) != len(k_src):
-        raise ValidationError("kv-canary: mix of caches with and without a K/V dimension; fix: pass one kind")
+    found = [vllm_layer_layout(caches[i], layout=layout, kv_dim=kv_dim, head_size=head_size,
+                               head_size_v=head_size_v) for i in chosen]
+    slots = check_sizes([f.num_slots for f in found], "vLLM cache list")
+    if len({len(f.halves) for f in found}) != 1:
+        raise ValidationError(f"kv-canary: mix of caches with one and two halves ({[f.name for f in found]}); "
+                              f"fix: pass the layers of one KV cache group")
+    if not fingerprint:
+        return PoolGroup(slots, (), (), halves=("K",))
+    pairs = [f.sources(read_bytes) for f in found]
+    k_src = [p[0] for p in pairs]
+    v_src = [p[1] for p in pairs if len(p) > 1]
     return PoolGroup(slots, k_src, v_src, halves=("K", "V") if v_src else ("K",))
 
 
-def vllm_canary(kv_caches, *, layers=None, kv_dim="auto", read_bytes: int | None = None, device="auto",
-                **kwargs) -> KvCanary:
+def vllm_canary(kv_caches, *, layers=None, layout=None, kv_dim="auto", head_size=None, head_size_v=None,
+                read_bytes: int | None = None, fingerprint: bool = True, device="auto", **kwargs) -> KvCanary:
     """A :class:`KvCanary` over vLLM-style caches; keyword arguments go to :class:`KvCanary`."""
-    group = vllm_pool_group(kv_caches, layers=layers, kv_dim=kv_dim, read_bytes=read_bytes)
+    group = vllm_pool_group(kv_caches, layers=layers, layout=layout, kv_dim=kv_dim, head_size=head_size,
+                            head_size_v=head_size_v, read_bytes=read_bytes, fingerprint=fingerprint)
     if device == "auto":
-        device = device_ordinal(group.k_sources[0].tensor)
+        first = _layers(kv_caches)[select_layers(len(_layers(kv_caches)), layers)[0]]
+        device = device_ordinal(first)
     return KvCanary(group, device=device, **kwargs)
 
 
@@ -153,7 +128,8 @@ def vllm_batch(*, block_table, seq_lens, query_start_loc, slot_mapping, input_id
     padding, skipped). Request r gets request-pool row r + 1 (row 0 is padding). ``num_reqs`` and
     ``num_tokens`` trim padded metadata; ``req_to_token`` is an optional preallocated output for
     :func:`block_table_to_req_to_token`."""
-    n = int(block_table.shape[0]) if num_reqs is None else int(num_reqs)
+    rows = min(int(block_table.shape[0]), int(query_start_loc.shape[0]) - 1)
+    n = rows if num_reqs is None else int(num_reqs)
     qsl = astype(query_start_loc[:n + 1], "int64")
     extend = qsl[1:] - qsl[:-1]
     seq = astype(seq_lens[:n], "int64")
@@ -163,3 +139,47 @@ def vllm_batch(*, block_table, seq_lens, query_start_loc, slot_mapping, input_id
                  input_ids=astype(input_ids[:t], "int64"), positions=astype(positions[:t], "int64"),
                  out_cache_loc=astype(slot_mapping[:t], "int64"), expected_input_ids=expected_input_ids,
                  expected_positions=expected_positions)
+
+
+_METADATA_FIELDS = ("block_table", "seq_lens", "query_start_loc", "slot_mapping")
+
+
+def vllm_metadata(attn_metadata, layer_name: str | None = None):
+    """One layer's attention metadata from what ``forward_context.attn_metadata`` holds: a dict
+    keyed by layer name (vLLM V1: every layer of a KV cache group shares one object) or one metadata
+    object. ``layer_name`` picks the layer (required when the dict holds several groups' objects).
+    A list (micro-batching: one dict per micro-batch) is refused: each micro-batch is its own step."""
+    if isinstance(attn_metadata, (list, tuple)):
+        raise ValidationError(f"kv-canary: expected one step's attention metadata, got a list of "
+                              f"{len(attn_metadata)} (vLLM micro-batching); fix: build one Batch per micro-batch "
+                              f"from attn_metadata[i] with that micro-batch's tokens")
+    if isinstance(attn_metadata, dict):
+        if not attn_metadata:
+            raise ValidationError("kv-canary: attn_metadata is an empty dict (no attention this step, e.g. a "
+                                  "profiling run); fix: skip the canary for this step")
+        if layer_name is not None:
+            if layer_name not in attn_metadata:
+                raise ValidationError(f"kv-canary: attn_metadata has no layer {layer_name!r}; expected one of "
+                                      f"{list(attn_metadata)[:8]}...; fix: pass a layer name of the shadowed group")
+            return attn_metadata[layer_name]
+        distinct = {id(m): m for m in attn_metadata.values()}
+        if len(distinct) > 1:
+            raise ValidationError(f"kv-canary: attn_metadata holds {len(distinct)} different metadata objects "
+                                  f"(several KV cache groups); fix: pass layer_name= a layer of the group the "
+                                  f"canary shadows, e.g. {next(iter(attn_metadata))!r}")
+        return next(iter(distinct.values()))
+    return attn_metadata
+
+
+def vllm_batch_from_metadata(attn_metadata, *, input_ids, positions, block_size: int, layer_name: str | None = None,
+                             num_reqs: int | None = None, **kwargs) -> Batch:
+    """:func:`vllm_batch` from one step's attention metadata (see :func:`vllm_metadata`): reads
+    ``block_table``, ``seq_lens``, ``query_start_loc``, ``slot_mapping`` and ``num_actual_tokens``
+    (each missing one is a ``kv-canary:`` error naming it). Other keyword arguments go to
+    :func:`vllm_batch` (``max_len``, ``req_to_token``, ``expected_input_ids``, ...)."""
+    md = vllm_metadata(attn_metadata, layer_name)
+    fix = "pass the metadata of a full-attention layer (e.g. FlashAttentionMetadata), or call vllm_batch"
+    fields = {name: require_attr(md, name, "the attention metadata", fix) for name in _METADATA_FIELDS}
+    tokens = getattr(md, "num_actual_tokens", None)
+    return vllm_batch(**fields, input_ids=input_ids, positions=positions, block_size=block_size, num_reqs=num_reqs,
+                      num_tokens=None if tokens is None else int(tokens), **kwargs)

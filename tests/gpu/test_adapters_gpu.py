@@ -133,6 +133,22 @@ def test_vllm_layouts_on_cuda_equal_host_reference(layout):
         assert stored_fingerprints(canary, "V", 48) == through_sources([v], slots, ALL, 48)
 
 
+@pytest.mark.parametrize("layout", ["LBNHC", "LHBNC", "BLHNC"])
+def test_vllm_packed_layouts_on_cuda_equal_host_reference(layout):
+    """vLLM main's packed per-layer views of one shared buffer: the kernels fingerprint the bytes the
+    host reference reads for the same layout (head 0's K and V of every token of every layer)."""
+    from tests.test_adapters_upstream import packed_caches
+    raw, host = packed_caches(layout)
+    dev_raw = raw.cuda().view(torch.bfloat16)
+    dev = [torch.as_strided(dev_raw, c.shape, c.stride(), c.storage_offset()) for c in host]
+    slots = host[0].shape[0] * host[0].shape[2]
+    canary = vllm_canary(dev, layout=layout, layers="all", hash_mode="all")
+    stamp_all(canary, slots)
+    pairs = [vllm_layer_sources(c, layout=layout) for c in host]
+    for half, srcs in (("K", [k for k, _ in pairs]), ("V", [v for _, v in pairs])):
+        assert stored_fingerprints(canary, half, slots) == through_sources(srcs, list(range(1, slots)), ALL, slots)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 def test_sglang_dtypes_on_cuda_equal_host_reference(dtype):
     rng = np.random.default_rng(8)

@@ -1,0 +1,351 @@
+"""A real client on the CPU: Hugging Face transformers generating with continuous batching and its paged
+KV cache (``generate_batch``, ``attn_implementation="sdpa"``) on a small randomly initialised Llama, with
+the canary attached through :mod:`kvcanary.adapters.transformers_paged` (CPU reference backend).
+
+Clean: many concurrent requests, shared prompt prefixes (block sharing) and chunked prefill give no
+violation, and the canary does not change what is generated — also with a block pool so small that
+finished requests' blocks are handed to new ones. Faults, each in its own generation: a flipped KV
+byte, a corrupted read index and a wrong input token are reported with the right reason, in the
+step where the corrupted data is read and in no other. Expected slots come from the documented slot
+formula (block * page_size + offset) applied to the engine's own block table, never from the adapter.
+
+The scenarios take the device; tests/gpu/test_transformers_client.py runs them on CUDA.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+
+import kvcanary as kc
+from kvcanary.adapters import transformers_layout
+
+transformers = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+from kvcanary.adapters import TransformersCanary  # noqa: E402
+
+PAGE = 16
+VOCAB = 512
+
+
+def make_model(device: str, **config):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
+                                   num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                   max_position_embeddings=4096, **config)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    model.set_attn_implementation("sdpa")  # the spelling transformers >= 5.18 wants ("paged|" is deprecated)
+    return model
+
+
+def make_prompts(n: int, seed: int, longest: int = 90) -> list[list[int]]:
+    """Prompts in groups sharing a prefix of several pages, each with its own suffix; some are
+    longer than the token budget of a step, so their prefill is chunked."""
+    rng = random.Random(seed)
+    prefixes = [[rng.randrange(3, VOCAB) for _ in range(k)] for k in (41, 58, 37)]
+    return [prefixes[i % 3] + [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, longest))] for i in range(n)]
+
+
+def generate(model, prompts, *, max_new_tokens: int, canary: TransformersCanary | None = None, num_blocks=512,
+             max_requests=16):
+    gen = transformers.GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1)
+    cb = transformers.ContinuousBatchingConfig(
+        page_size=PAGE, num_blocks=num_blocks, max_batch_tokens=64, max_requests_per_batch=max_requests,
+        use_cuda_graph=False, use_async_batching=False, max_blocks_per_request=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # the canary had nothing to turn off
+        if canary is None:
+            out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
+        else:
+            with canary:
+                out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
+    assert len(out) == len(prompts) and all(o.error is None for o in out.values())
+    return [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.split("_")[-1]))]
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def allocator(info):
+    return info.cache.cache_allocators["full_attention"]
+
+
+def physical_index(alloc, rid: str, pos: int) -> int:
+    """The engine's own cache index of position ``pos`` of request ``rid`` (what its write/read indices hold)."""
+    block = alloc.block_table[rid][pos // alloc.tokens_per_page]
+    return block * alloc.block_physical_stride + pos % alloc.tokens_per_page
+
+
+def canary_slot(alloc, rid: str, pos: int) -> int:
+    """The README's slot formula: block * page_size + offset."""
+    return alloc.block_table[rid][pos // alloc.tokens_per_page] * alloc.tokens_per_page + pos % alloc.tokens_per_page
+
+
+class Log:
+    """after_step hook: the requests of every step and which request wrote each canary slot."""
+
+    def __init__(self):
+        self.steps: list[list] = []
+        self.writers: dict[int, set] = {}
+
+    def __call__(self, info):
+        self.steps.append(list(info.requests))
+        slots = info.batch.out_cache_loc.tolist()
+        at = 0
+        for rid, _, q in info.requests:
+            for s in slots[at:at + q]:
+                self.writers.setdefault(s, set()).add(rid)
+            at += q
+
+
+class Schedule:
+    """Records what the engine asks of every forward — the positions of the batch's tokens and the
+    cache rows they are written to — by wrapping ``model.forward`` on the instance. Equal records
+    mean the engine scheduled the same requests into the same blocks, step by step."""
+
+    def __init__(self, model):
+        self.model, self.steps = model, []
+
+    def __enter__(self):
+        forward = self.model.forward
+
+        def recording_forward(*args, **kwargs):
+            self.steps.append((kwargs["position_ids"].tolist(), kwargs["write_index"][0].tolist()))
+            return forward(*args, **kwargs)
+        self.model.forward = recording_forward
+        return self
+
+    def __exit__(self, *exc):
+        del self.model.forward
+
+
+def report(name: str, tc: TransformersCanary, extra: dict | None = None) -> dict:
+    s = tc.summary()
+    print(f"\n[{name}] transformers={transformers.__version__} requests={s['requests']} steps={s['steps']} "
+          f"verified_slots={s['verified_slots']} protected_tokens={s['protected_tokens']} "
+          f"prefix_shared_tokens={s['prefix_shared_tokens']} detections={s['detections']} {extra or ''}")
+    for d in tc.detections[:6]:
+        print(f"  step {d['step']}: {d['launch_tag']} {'+'.join(d['fail_reason'])} slot={d['slot_idx']} "
+              f"position={d['position']} stored_token={d['stored_token']} expected_token={d['expected_token']}")
+    return s
+
+
+def detections_by_step(tc) -> dict[int, list]:
+    out: dict[int, list] = {}
+    for d in tc.detections:
+        out.setdefault(d["step"], []).append(d)
+    return out
+
+
+# ---- scenarios (device-parametrised; the GPU tier reuses them) ----------------------------------------
+def clean_generation(device):
+    model = make_model(device)
+    prompts = make_prompts(24, seed=1)
+    plain = generate(model, prompts, max_new_tokens=24)
+    log = Log()
+    tc = TransformersCanary(model, layers="all", after_step=log)
+    guarded = generate(model, prompts, max_new_tokens=24, canary=tc)
+    s = report(f"clean {device}", tc)
+    chunked = {}
+    for reqs in log.steps:
+        for rid, _, q in reqs:
+            chunked[rid] = chunked.get(rid, 0) + (q > 1)
+    assert tc.detections == []
+    assert guarded == plain, "attaching the canary changed the generated tokens"
+    assert s["requests"] == 24 and s["steps"] == len(log.steps) > 30
+    assert max(len(r) for r in log.steps) >= 8, "expected many concurrent requests per step"
+    assert s["prefix_shared_tokens"] >= 3 * PAGE, "expected block sharing of the common prefixes"
+    assert sum(n > 1 for n in chunked.values()) >= 5, "expected chunked prefills"
+    assert s["verified_slots"] > 10_000 and s["protected_tokens"] > 0 and s["skipped_verifies"] == 0
+
+
+def small_pool_same_tokens(device):
+    """A pool of 24 blocks for 20 requests of up to 9 blocks each: requests wait for blocks, and
+    finished requests' blocks are reused by later ones. The canary must not change the schedule."""
+    model = make_model(device)
+    prompts = make_prompts(20, seed=5, longest=60)
+    with Schedule(model) as plain_schedule:
+        plain = generate(model, prompts, max_new_tokens=32, num_blocks=24)
+    log = Log()
+    tc = TransformersCanary(model, layers="all", after_step=log)
+    with Schedule(model) as guarded_schedule:
+        guarded = generate(model, prompts, max_new_tokens=32, canary=tc, num_blocks=24)
+    report(f"small pool {device}", tc, {"forwards": len(plain_schedule.steps)})
+    reused = sum(len(w) > 1 for w in log.writers.values())
+    assert tc.detections == []
+    assert guarded_schedule.steps == plain_schedule.steps, "attaching the canary changed the engine's schedule"
+    assert guarded == plain, "attaching the canary changed the generated tokens under memory pressure"
+    assert reused >= 4 * PAGE, f"expected finished requests' blocks to be reused, {reused} slots were"
+    assert max(len(r) for r in log.steps) < 20, "expected requests to wait for blocks"
+
+
+def corrupted_kv_byte(device):
+    model = make_model(device)
+    hit = {}
+
+    def before(info):  # flip a byte of a cached slot (layer 0 K, inside the 16 fingerprinted bytes)
+        if hit or info.step < 12:
+            return
+        alloc = allocator(info)
+        for rid, past, q in info.requests:
+            if past >= 2 * PAGE:
+                pos = past - 5
+                k_rows = alloc._kv_token_views[0][0]  # the view layer 0's attention writes its K through
+                row = k_rows[physical_index(alloc, rid, pos)].view(-1).view(torch.uint8)
+                row[3] ^= 0x40
+                sync()
+                hit.update(step=info.step, slot=canary_slot(alloc, rid, pos), row=row)
+                return
+
+    def after(info):  # undo it once the step is over: later steps read clean bytes again
+        if hit.get("step") == info.step:
+            sync()
+            hit["row"][3] ^= 0x40
+            sync()
+
+    tc = TransformersCanary(model, before_step=before, after_step=after)
+    generate(model, make_prompts(12, seed=2), max_new_tokens=24, canary=tc)
+    report(f"kv byte {device}", tc, {k: hit[k] for k in ("step", "slot")})
+    by_step = detections_by_step(tc)
+    assert list(by_step) == [hit["step"]]
+    for d in by_step[hit["step"]]:
+        assert d["fail_reason"] == ["verify_real_kv_hash"] and d["launch_tag"] == "TAIL_K_FULL"
+        assert d["slot_idx"] == hit["slot"]
+
+
+def corrupted_read_index(device):
+    """One decode step of one request reads the slots of positions 0..15 for positions 16..31."""
+    model = make_model(device)
+    hit = {}
+
+    def before(info):
+        if hit or info.step < 12:
+            return
+        offset = 0
+        for (rid, past, q), state in zip(info.requests, info.states):
+            if q == 1 and past >= 3 * PAGE + 2:
+                read = info.batch_data["read_index"][0]
+                read[offset + PAGE:offset + 2 * PAGE] = read[offset:offset + PAGE].clone()
+                sync()
+                hit.update(step=info.step, rid=rid, slots={canary_slot(allocator(info), rid, p) for p in range(PAGE)})
+                return
+            offset += past + q  # full attention reads every position of every request
+
+    tc = TransformersCanary(model, before_step=before)
+    generate(model, make_prompts(12, seed=3), max_new_tokens=24, canary=tc)
+    report(f"read index {device}", tc, {k: hit[k] for k in ("step", "rid")})
+    by_step = detections_by_step(tc)
+    assert list(by_step) == [hit["step"]]
+    rows = by_step[hit["step"]]
+    reasons = {r for d in rows for r in d["fail_reason"]}
+    assert reasons <= {"verify_chain_hash", "verify_position"} and "verify_position" in reasons
+    assert {"HEAD_K_FULL", "HEAD_V_FULL"} <= {d["launch_tag"] for d in rows}
+    wrong = [d for d in rows if d["launch_tag"] == "HEAD_K_FULL" and "verify_position" in d["fail_reason"]]
+    # positions 16..31 read slots holding positions 0..15 (a record's position is the stored one)
+    assert sorted(d["position"] for d in wrong) == list(range(PAGE)) and {d["slot_idx"] for d in wrong} == hit["slots"]
+
+
+def wrong_input_token(device):
+    model = make_model(device)
+    hit = {}
+
+    def before(info):  # the model reads a different token than the request's history holds
+        if hit or info.step < 12:
+            return
+        offset = 0
+        for rid, past, q in info.requests:
+            if q == 1 and past > PAGE:
+                ids = info.batch_data["input_ids"]
+                good = int(ids[0, offset])
+                ids[0, offset] = (good + 1) % VOCAB
+                sync()
+                hit.update(step=info.step, good=good, bad=(good + 1) % VOCAB, position=past)
+                return
+            offset += q
+
+    tc = TransformersCanary(model, before_step=before)
+    generate(model, make_prompts(12, seed=4), max_new_tokens=24, canary=tc)
+    report(f"input token {device}", tc, hit)
+    by_step = detections_by_step(tc)
+    assert list(by_step) == [hit["step"]]
+    rows = by_step[hit["step"]]
+    assert {d["launch_tag"] for d in rows} == {"HEAD_K_FULL", "HEAD_V_FULL", "TAIL_K_FULL", "TAIL_V_FULL"}
+    for d in rows:
+        assert d["fail_reason"] == ["write_token"]
+        assert (d["stored_token"], d["expected_token"], d["position"]) == (hit["bad"], hit["good"], hit["position"])
+
+
+SCENARIOS = [clean_generation, small_pool_same_tokens, corrupted_kv_byte, corrupted_read_index, wrong_input_token]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__)
+def test_transformers_cpu(scenario):
+    scenario("cpu")
+
+
+# ---- what is refused, and how ---------------------------------------------------------------------
+def test_supported_range_is_the_declared_extra():
+    """The adapter's range is the one ``pip install 'kvcanary[transformers]'`` installs, and the
+    installed transformers (the one these tests ran with) is inside it."""
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    extra = re.search(r'^transformers = \[(.*?)\]', text, re.M | re.S).group(1)
+    assert f'"transformers{transformers_layout.SUPPORTED_TRANSFORMERS}"' in extra
+    transformers_layout.check_transformers_version(transformers.__version__)
+
+
+@pytest.mark.parametrize("version", ["5.17.0", "5.12.1", "4.57.6", "5.25.0", "5.25.0.dev0", "6.0.0", "nightly"])
+def test_unsupported_transformers_is_refused_naming_the_range(version, monkeypatch):
+    from kvcanary.adapters import transformers_paged
+    monkeypatch.setattr(transformers_paged, "_installed_transformers", lambda: version)
+    with pytest.raises(kc.ValidationError, match=r"kv-canary: .*transformers >=5\.18,<5\.25.*got transformers "
+                                                  + re.escape(version) + r".*fix: pip install"):
+        TransformersCanary(object())
+
+
+@pytest.mark.parametrize("version", ["5.18.0", "5.20.2", "5.24.0", "5.24.1"])
+def test_supported_versions_pass_the_check(version):
+    assert transformers_layout.check_transformers_version(version) == tuple(int(x) for x in version.split(".")[:2])
+
+
+def test_sliding_window_model_is_refused():
+    model = make_model("cpu", layer_types=["sliding_attention", "full_attention", "full_attention"], sliding_window=32)
+    with pytest.raises(kc.ValidationError, match=r"full attention.*sliding_attention"):
+        generate(model, make_prompts(2, seed=6), max_new_tokens=2, canary=TransformersCanary(model))
+
+
+def test_forks_are_refused():
+    model = make_model("cpu")
+    gen = transformers.GenerationConfig(max_new_tokens=2, do_sample=True, num_return_sequences=2, eos_token_id=-1)
+    with TransformersCanary(model):
+        with pytest.raises(kc.ValidationError, match="num_return_sequences=2"):
+            model.init_continuous_batching(generation_config=gen)
+
+
+def test_a_changed_cache_layout_is_an_error_naming_the_attribute():
+    from types import SimpleNamespace
+    cache = SimpleNamespace(cache_allocators={"full_attention": SimpleNamespace(tokens_per_page=16)})
+    with pytest.raises(kc.ValidationError, match=r"'block_physical_stride'.*>=5\.18,<5\.25"):
+        transformers_layout.PagedLayout(cache)
+    with pytest.raises(kc.ValidationError, match=r"'cache_allocators'"):
+        transformers_layout.PagedLayout(SimpleNamespace(key_cache=[]))
+
+
+def test_turned_off_modes_warn():
+    model = make_model("cpu")
+    gen = transformers.GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=-1)
+    cb = transformers.ContinuousBatchingConfig(page_size=PAGE, num_blocks=64, max_batch_tokens=64,
+                                               max_requests_per_batch=4, use_async_batching=True,
+                                               cpu_offload_space=0.5)
+    with TransformersCanary(model):
+        with pytest.warns(RuntimeWarning, match="turning off async batching, CPU offloading"):
+            manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+    cfg = manager.continuous_batching_config
+    assert (cfg.use_async_batching, cfg.max_blocks_per_request, cfg.cpu_offload_space) == (False, 0, 0.0)
