@@ -314,8 +314,6 @@ def test_write_arrays_on_another_device_are_refused(fake):
     assert fake.by_device[0] == [] and fake.errors == []
 
 
-@pytest.mark.xfail(strict=True, reason="ops._fill_batch does not check the SWA map's device (issue 18 "
-                                       "report: the check belongs in ops.py, not edited here)")
 def test_an_swa_map_on_another_device_is_refused(fake):
     pool = memory.zeros((64, 16), np.uint8, 0)
     src = [kc.RealKvSource(pool, 1, 16)]
