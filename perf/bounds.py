@@ -25,13 +25,12 @@ from cuda.bindings import driver as cu
 from kvcanary import abi, memory
 from kvcanary.compile import compile_cubin, kernels_dir
 from kvcanary.driver import check
-from kvcanary.ops import request_major
 
 from .timing import GpuTimer, pack_args
 
 KERNELS = Path(__file__).resolve().parent / "kernels"  # probes.cu and baseline.cu
-PROBE_NAMES = ("kvcp_spin", "kvcp_read", "kvcp_fill", "kvcp_chain", "kvcp_verify_loads", "kvcp_verify_loads_rm",
-               "kvcb_verify_persistent", "kvcb_write_one_thread")
+PROBE_NAMES = ("kvcp_spin", "kvcp_read", "kvcp_fill", "kvcp_chain", "kvcp_verify_loads",
+               "kvcb_verify_persistent", "kvcb_write_one_thread", "kvcb_verify_simple")
 KEY = 0x5EED_C0DE_0BAD_F00D  # probes store their folded loads only if they equal this: never
 COPY_BYTES = 2 << 30
 EMPTY_LAUNCHES = 100
@@ -101,18 +100,6 @@ class Probes:
                     p(canary), i64(canary.shape[1] // 8), *(p(a) for a in planned), p(rpi), p(rtt),
                     i64(rtt_stride), i64(per_req), p(src), i64(src_row_stride), i64(page_size),
                     i64(bytes_per_token), i64(hash_bytes), ctypes.c_int32(int(coop)), i64(n), u64(KEY),
-                    u64(self.out.ptr))
-
-    def verify_loads_rm(self, stream: int, *, canary, rpi, rtt, bs: int, per_req: int, span: int, src=None,
-                        src_row_stride: int = 0, page_size: int = 1, bytes_per_token: int = 16,
-                        hash_bytes: int = 0) -> None:
-        """The loads of a request-major fused verify of ``bs`` requests x ``per_req`` entries,
-        tasks of 32 requests x ``span`` positions."""
-        tasks = -(-bs // 32) * -(-per_req // span)
-        self.launch("kvcp_verify_loads_rm", self.grid(32 * tasks), BLOCK, stream,
-                    u64(canary.ptr), i64(canary.shape[1] // 8), u64(rpi.ptr), u64(rtt.ptr), i64(rtt.shape[1]),
-                    i64(bs), i64(per_req), ctypes.c_int32(span), u64(0 if src is None else src.ptr),
-                    i64(src_row_stride), i64(page_size), i64(bytes_per_token), i64(hash_bytes), u64(KEY),
                     u64(self.out.ptr))
 
 
@@ -186,11 +173,10 @@ class Bounds:
         return bound, name
 
     def verify_probe(self, w, mode: str, plan=None) -> tuple[float, dict[str, float]]:
-        """GPU seconds of the same loads as a verify of workload ``w`` in ``mode`` (no hashing), in
-        the pattern of the kernel variant it launches: request-major tasks for a fused verify of
-        RM_MIN_BATCH..RM_MAX_BATCH requests with short strips (kvc_fused_verify_rm), else entry-major
-        tiles, the best of the per-lane and, for strips of 64 bytes or more, warp-coalesced loads.
-        Every pattern measured is in the returned dict."""
+        """GPU seconds of the same loads as a verify of workload ``w`` in ``mode`` (no hashing), one
+        entry per lane: the best of the per-lane and, for strips of 64 bytes or more,
+        warp-coalesced strip loads (every pattern measured is in the returned dict). Needs a
+        uniform prefix per request (not the ``vllm`` mix)."""
         ctx = w.context(mode)
         hb = w.hash_bytes(mode)
         kv = dict(src=w.pool if hb else None, src_row_stride=w.bytes_per_token, page_size=1,
@@ -201,9 +187,4 @@ class Bounds:
                 s, canary=ctx.buffer.array, n=w.entries, plan=plan, rpi=w.rpi, rtt=w.rtt,
                 per_req=w.prefix, coop=coop, **kv)
             times["coalesced" if coop else "per_lane"] = self.timer.gpu_time(run)
-        if plan is None and request_major(w.bs, ctx.hash_bytes):
-            span = abi.RM_CHUNKS * abi.VERIFY_LANE_ENTRIES
-            times["request_major"] = self.timer.gpu_time(lambda s: self.probes.verify_loads_rm(
-                s, canary=ctx.buffer.array, rpi=w.rpi, rtt=w.rtt, bs=w.bs, per_req=w.prefix, span=span, **kv))
-            return times["request_major"], times
         return min(times.values()), times

@@ -1,19 +1,18 @@
-"""Issue 6: the request-major verify's launch shape, swept in one run (GPU; no targets).
+"""Issue 13: the narrow verify's block tile swept in one run (GPU; no targets: it says what to ship).
 
-``kvc_fused_verify_rm`` has two tuning constants in kvcanary/abi.py: ``RM_CHUNKS`` (a task spans
-RM_CHUNKS x VERIFY_LANE_ENTRIES positions of 32 requests) and ``RM_MIN_BLOCKS`` (its launch
-bound: registers per thread, hence blocks per SM). Each combination is compiled here with NVRTC
-into a library of its own (verify.cu only; the prelude rendered with the swept values) and
-launched with the params ops packed for the shipped kernel: the constants change no params
-struct. One benchmark per combination and mode (its stats: the launch's GPU time): decode bs
-256 x 4096, identity-only and PARTIAL, against the bytes it must touch / copy bandwidth, the
-shipped combination marked. Every run must find the workload clean, which also checks each
-variant's hashing.
+The block-tiled verify (kernels_src/verify.cu) has two tuning constants in kvcanary/abi.py:
+``VERIFY_LANE_ENTRIES`` (entries per thread in a block tile, VT) and ``VERIFY_MIN_BLOCKS`` (its
+launch bound: registers per thread, hence blocks per SM). Each combination is compiled here with
+NVRTC into a library of its own (verify.cu with ``KVC_TUNE_VT`` / ``KVC_TUNE_BLOCKS_PER_SM``
+defined) and launched with the params ops packed for the shipped fused verify on the grid ops
+would give it (the driver's occupancy of the variant, never more blocks than tiles): the
+constants change no params struct. One benchmark per combination, layout and mode (its stats: the
+launch's GPU time), decode bs 256 x 4096, against the bytes it must touch; every run must find
+the workload clean, which also checks each variant's hashing. The shipped combination is marked.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import pytest
@@ -27,66 +26,54 @@ from kvcanary.driver import check
 from .clocks import gpu_timed
 from .workloads import DECODE_256
 
-CHUNKS = (1, 2, 4, 8)
-MIN_BLOCKS = (2, 3, 4)
-
-
-@contextlib.contextmanager
-def constants(**values):
-    old = {k: getattr(abi, k) for k in values}
-    for k, v in values.items():
-        setattr(abi, k, v)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            setattr(abi, k, v)
+TILE_ENTRIES = (1, 2, 4, 8)
+BLOCKS_PER_SM = (2, 4, 8)
 
 
 @functools.lru_cache(maxsize=None)
-def variant_cubin(arch: int, chunks: int, min_blocks: int) -> bytes:
+def variant_cubin(arch: int, vt: int, blocks: int) -> bytes:
     """verify.cu compiled with the swept constants (once per session)."""
     sources = {n: s for n, s in read_sources().items() if n in ("verify.cu", "common.cuh", "fingerprint.cuh")}
-    with constants(RM_CHUNKS=chunks, RM_MIN_BLOCKS=min_blocks):
-        return compile_cubin(sources, abi.render_prelude(), arch)
+    sources["verify.cu"] = f"#define KVC_TUNE_VT {vt}\n#define KVC_TUNE_BLOCKS_PER_SM {blocks}\n" + sources["verify.cu"]
+    return compile_cubin(sources, abi.render_prelude(), arch)
 
 
-def variant(rt, chunks: int, min_blocks: int):
-    """(library, kvc_fused_verify_rm function) of one swept combination, loaded on ``rt``."""
-    cubin = variant_cubin(rt.arch, chunks, min_blocks)
-    lib = check(rt.call(cu.cuLibraryLoadData, cubin, None, None, 0, None, None, 0), "cuLibraryLoadData(tuning)")
-    kernel = check(cu.cuLibraryGetKernel(lib, b"kvc_fused_verify_rm"), "cuLibraryGetKernel")
+def variant(rt, vt: int, blocks: int):
+    """(library, kvc_fused_verify function) of one swept combination, loaded on ``rt``."""
+    lib = check(rt.call(cu.cuLibraryLoadData, variant_cubin(rt.arch, vt, blocks), None, None, 0, None, None, 0),
+                "cuLibraryLoadData(tuning)")
+    kernel = check(cu.cuLibraryGetKernel(lib, b"kvc_fused_verify"), "cuLibraryGetKernel")
     return lib, check(rt.call(cu.cuKernelGetFunction, kernel), "cuKernelGetFunction")
 
 
 @gpu_timed
-@pytest.mark.parametrize("min_blocks", MIN_BLOCKS)
-@pytest.mark.parametrize("chunks", CHUNKS)
+@pytest.mark.parametrize("blocks", BLOCKS_PER_SM)
+@pytest.mark.parametrize("vt", TILE_ENTRIES)
+@pytest.mark.parametrize("layout", ["decode", "paged", "random"])
 @pytest.mark.parametrize("mode", ["identity", "partial"])
-def test_request_major_launch_shape(report, workloads, timer, bounds, mode, chunks, min_blocks):
-    w = workloads.get(*DECODE_256)
+def test_verify_tile_shape(report, workloads, timer, bounds, mode, layout, vt, blocks):
+    w = workloads.get(*DECODE_256, layout=layout)
     ctx = w.context(mode)
     plan = w.plan()
     kc.build_plan(w.batch, plan, stream=timer.handle)
     launch = ops.prepare_fused_verify(ctx, w.batch, plan)
-    assert launch.name == "kvc_fused_verify_rm"
+    assert launch.name == "kvc_fused_verify"
     rt = launch.rt
-    lib, fn = variant(rt, chunks, min_blocks)
+    lib, fn = variant(rt, vt, blocks)
     try:
-        with constants(RM_CHUNKS=chunks, RM_MIN_BLOCKS=min_blocks):  # the grid ops would give it
-            _, grid, _ = ops._verify_kernel("kvc_fused_verify", rt, launch.params, plan.verify_capacity,
-                                            ctx.hash_bytes)
+        per_sm = check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, abi.BLOCK_THREADS, 0), "occupancy")
+        grid = max(1, min(int(per_sm) * rt.sm_count, -(-plan.verify_capacity // (vt * abi.BLOCK_THREADS))))
 
         def run(s):
             check(cu.cuLaunchKernel(fn, grid, 1, 1, abi.BLOCK_THREADS, 1, 1, 0, s, launch.address, 0),
                   "cuLaunchKernel(tuning)")
 
         t = report.gpu(run)
-        assert w.violations() == 0, f"chunks {chunks}, {min_blocks} blocks/SM: the workload must verify clean"
+        assert w.violations() == 0, f"VT {vt}, {blocks} blocks/SM: the workload must verify clean"
     finally:
         timer.sync()
         check(cu.cuLibraryUnload(lib), "cuLibraryUnload")
-    shipped = (chunks, min_blocks) == (abi.RM_CHUNKS, abi.RM_MIN_BLOCKS)
-    report.row(f"tuning: verify fused_rm {mode}, {w.label}, chunks {chunks}, {min_blocks} blocks/SM"
-               + (" (shipped)" if shipped else ""), t, "s", bound=w.verify_bytes(mode) / bounds.copy_bandwidth,
-               bound_name="bytes it must touch / copy bw", chunks=chunks, min_blocks=min_blocks, grid=grid)
+    shipped = (vt, blocks) == (abi.VERIFY_LANE_ENTRIES, abi.VERIFY_MIN_BLOCKS)
+    report.row(f"tuning: verify fused {mode}, {w.label}, VT {vt}, {blocks} blocks/SM" + (" (shipped)" if shipped else ""),
+               t, "s", bound=w.verify_bound_bytes(mode) / bounds.copy_bandwidth, bound_name="bytes it must touch / copy bw",
+               vt=vt, min_blocks=blocks, grid=grid, resident_per_sm=int(per_sm))

@@ -1,12 +1,12 @@
 """Issues 3 and 6: verify and write throughput on the GPU, next to the bounds of this run.
 
 Verify: decode bs 256 x context 4096 = 1M entries, identity-only, PARTIAL (1 source) and ALL
-(1 source, 1 KiB per token), through the materialised plan (``kvcanary.verify``) and the fused
-path (``kvcanary.fused_verify``); each against (a) the bytes it must touch / copy bandwidth and
-(b) its "same loads, no compute" probe. Slots are laid out as a decoding engine's allocator
-leaves them (perf/workloads.py); the fused path also runs on contiguous and random layouts, to
-show how much of the gap to the bytes bound is the access pattern's, and where ops launches the
-request-major kernel, the entry-major one runs the same launch for comparison. Write: 256 requests x 1 token (decode) and 1 x 32768
+(1 source, 1 KiB per token), fused (``kvcanary.fused_verify``) at decode bs 256 and 64 x 4096 on
+every slot layout of perf/workloads.py (lockstep decode, contiguous, paged, a vLLM-like mix of
+block-table lengths, random), each against (a) the bytes it must touch / copy bandwidth (a 32-byte
+sector per PARTIAL strip) and (b) a simple verify written from the spec alone
+(perf/kernels/baseline.cu's kvcb_verify_simple) on the same launch; the materialised plan
+(``kvcanary.verify``) on the default layout. Write: 256 requests x 1 token (decode) and 1 x 32768
 (prefill), identity-only and ALL; a prefill against the serial-chain probe. Each benchmark's
 stats are its launch's GPU time (CUDA events, L2 flushed before each round); the probe, the
 entry-major comparison and the bounds are measured beside it with the same timer. Every timed
@@ -20,61 +20,73 @@ import pytest
 import kvcanary as kc
 
 from .clocks import gpu_timed
-from .workloads import DECODE_256, MODES, write
+from .workloads import DECODE_64, DECODE_256, MODES, write
 
-VERIFY_TARGETS = {("fused", "identity"): ("<=", 1.5), ("fused", "partial"): ("<=", 2.0)}
-ALL_BANDWIDTH_TARGET = (">=", 0.7)
+VERIFY_TARGETS = {"identity": ("<=", 1.5), "partial": ("<=", 2.0)}  # issue 13: on every layout, both shapes
+ALL_BANDWIDTH_TARGET = (">=", 0.9)
+BASELINE_TARGET = ("<=", 1.0)   # kvcanary / the simple one-entry-per-thread verify: faster everywhere
 PREFILL_TARGETS = {"identity": ("<=", 1.3), "all": ("<=", 1.5)}
+SHAPES = {"bs256": DECODE_256, "bs64": DECODE_64}
 
 
-def entry_major(ctx, w, plan):
-    """fn(stream) running a fused verify that ops sends to the request-major kernel on the
-    entry-major one instead (same packed params), or None when ops picks entry-major anyway."""
+def simple_verify(probes, ctx, w, plan):
+    """fn(stream): perf/kernels/baseline.cu's kvcb_verify_simple on the params ops packed for the
+    fused verify (one entry per thread, a binary search per entry, every load its own)."""
     from kvcanary import ops
     launch = ops.prepare_fused_verify(ctx, w.batch, plan)
-    if launch.name != "kvc_fused_verify_rm":
-        return None
-    # the entry-major tiles' launch shape, as ops gives it to every non-request-major narrow verify
-    _, grid, block = ops._verify_kernel("kvc_verify", launch.rt, launch.params, plan.verify_capacity, ctx.hash_bytes)
-    return lambda s: launch.rt.launch("kvc_fused_verify", grid, block, launch.address, s)
+    grid = max(1, min(launch.rt.sm_count * 8, -(-plan.verify_capacity // 256)))
+    return lambda s: probes.launch_packed("kvcb_verify_simple", grid, 256, s, launch.address), launch
 
 
 @gpu_timed
-@pytest.mark.parametrize("design,layout", [("fused", "decode"), ("plan", "decode"),
-                                           ("fused", "contiguous"), ("fused", "random")])
+@pytest.mark.parametrize("layout", ["decode", "contiguous", "paged", "vllm", "random"])
+@pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("mode", list(MODES))
-def test_verify_throughput(report, workloads, timer, bounds, mode, design, layout):
-    w = workloads.get(*DECODE_256, layout=layout)
+def test_verify_throughput(report, workloads, timer, bounds, probes, mode, shape, layout):
+    """The fused verify on every slot layout, next to the bytes it must touch and the simple
+    baseline measured on the same launch."""
+    w = workloads.get(*SHAPES[shape], layout=layout)
     ctx = w.context(mode)
-    planned = design == "plan"
-    plan = w.plan(materialize=planned)
+    plan = w.plan()
     kc.build_plan(w.batch, plan, stream=timer.handle)
-    if planned:
-        run = lambda s: kc.verify(ctx, plan, stream=s)  # noqa: E731
-    else:
-        run = lambda s: kc.fused_verify(ctx, w.batch, plan, stream=s)  # noqa: E731
-
-    em = None if planned else entry_major(ctx, w, plan)
-
-    t = report.gpu(run)
+    t = report.gpu(lambda s: kc.fused_verify(ctx, w.batch, plan, stream=s))
     assert w.violations() == 0, "the benchmark workload must verify clean"
-    probe, probes = bounds.verify_probe(w, mode, plan if planned else None)
-    t_em = em and timer.gpu_time(em)
+    simple, _keep = simple_verify(probes, ctx, w, plan)
+    t_simple = timer.gpu_time(simple)
+    assert w.violations() == 0, "the simple baseline must verify the workload clean as well"
     copy = bounds.copy_bandwidth
-    must, touched = w.verify_bytes(mode), w.verify_touched(mode, planned)
-    name = f"verify {design} {mode}, {w.label}"
-    common = dict(series=f"verify {design} {mode} ({layout})", size=w.entries, **{"entries/s": w.entries / t},
-                  **{"GB/s": touched / t / 1e9}, probe_s=probes, bytes_touched=touched, bytes_must=must)
-    target = VERIFY_TARGETS.get((design, mode)) if layout == "decode" else None
-    report.row(name, t, "s", bound=must / copy, bound_name="bytes it must touch / copy bw",
-               target=target, **common)
-    report.row(f"{name}: vs same-loads probe", t, "s", bound=probe, bound_name="same-loads probe")
-    if t_em is not None:
-        report.row(f"{name}: entry-major tiles / request-major", t_em, "s", bound=t,
-                   bound_name="kvc_fused_verify_rm", ratio=t_em / t, entry_major_probe_s=probes.get("per_lane"))
+    must, touched = w.verify_bound_bytes(mode), w.verify_touched(mode, False)
+    name = f"verify fused {mode}, {w.label}"
+    common = dict(series=f"verify fused {mode} ({layout}, {shape})", size=w.entries, **{"entries/s": w.entries / t},
+                  **{"GB/s": touched / t / 1e9}, bytes_touched=touched, bytes_must=must, simple_s=t_simple)
+    report.row(name, t, "s", bound=must / copy, bound_name="bytes it must touch (a sector per PARTIAL strip) / copy bw",
+               target=VERIFY_TARGETS.get(mode), **common)
+    report.row(f"{name}: kvcanary / simple one-entry-per-thread verify", t, "s", bound=t_simple,
+               bound_name="kvcb_verify_simple, same launch", target=BASELINE_TARGET)
+    if layout != "vllm":
+        probe, probes_t = bounds.verify_probe(w, mode, None)
+        report.row(f"{name}: vs same-loads probe", t, "s", bound=probe, bound_name="same-loads probe", probe_s=probes_t)
     if mode == "all":
         report.row(f"{name}: bytes read / copy bandwidth", touched / t, "B/s", bound=copy,
-                   bound_name="copy bw", target=ALL_BANDWIDTH_TARGET if (design, layout) == ("fused", "decode") else None)
+                   bound_name="copy bw", target=ALL_BANDWIDTH_TARGET)
+
+
+@gpu_timed
+@pytest.mark.parametrize("mode", list(MODES))
+def test_verify_plan_throughput(report, workloads, timer, bounds, mode):
+    """The materialised-plan verify (sweeps, ``fused=False``) on the default layout."""
+    w = workloads.get(*DECODE_256)
+    ctx = w.context(mode)
+    plan = w.plan(materialize=True)
+    kc.build_plan(w.batch, plan, stream=timer.handle)
+    t = report.gpu(lambda s: kc.verify(ctx, plan, stream=s))
+    assert w.violations() == 0, "the benchmark workload must verify clean"
+    probe, probes_t = bounds.verify_probe(w, mode, plan)
+    report.row(f"verify plan {mode}, {w.label}", t, "s", bound=w.verify_bound_bytes(mode) / bounds.copy_bandwidth,
+               bound_name="bytes it must touch / copy bw", series=f"verify plan {mode}", size=w.entries,
+               **{"entries/s": w.entries / t})
+    report.row(f"verify plan {mode}, {w.label}: vs same-loads probe", t, "s", bound=probe,
+               bound_name="same-loads probe", probe_s=probes_t)
 
 
 @gpu_timed

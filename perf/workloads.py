@@ -6,8 +6,11 @@ prefill ``prefix = 0``. Slot layouts (slot 0 is the padding slot; ``req_to_token
 ``1..bs``, row 0 is padding): ``decode`` (default) is what a token allocator hands out when the
 whole context was decoded step by step: slot(r, p) = 1 + p * bs + r, each step's tokens of all
 requests adjacent, one request's tokens ``bs`` slots apart (a prefill of one request is then
-contiguous); ``contiguous`` gives each request one run of slots (a fresh prefill); ``random``
-permutes all slots (a long-fragmented pool, the worst case for locality).
+contiguous); ``contiguous`` gives each request one run of slots (a fresh prefill); ``paged`` hands
+out pages of 16 consecutive slots in random order over a pool 4x the batch's slots (vLLM's blocks,
+SGLang with page_size 16, after some churn); ``vllm`` is ``paged`` with block tables of varying
+lengths (each request's cached prefix drawn around ``prefix``, the same total on average);
+``random`` permutes all slots (a long-fragmented pool, the worst case for locality).
 Each context's buffer is stamped over the prefix once by kvcanary's own write, so every timed
 verify is clean (the fast path) and every timed write re-stamps identical records: a timed step
 is idempotent and can be repeated. The real-KV pool is ``[num_slots, bytes_per_token]`` uint8
@@ -44,7 +47,8 @@ class Workload:
     layout: str
     bytes_per_token: int
     num_slots: int
-    slots: np.ndarray            # host [bs, prefix + extend]: the slot of each request position
+    slots: np.ndarray            # host [bs, max prefix + extend]: the slot of each request position
+    lens: np.ndarray             # host [bs]: each request's cached prefix (``prefix`` unless ``vllm``)
     rpi: memory.DeviceArray
     rtt: memory.DeviceArray
     batch: kc.Batch              # the timed step
@@ -56,7 +60,7 @@ class Workload:
 
     @property
     def entries(self) -> int:
-        return self.bs * self.prefix
+        return int(self.lens.sum())
 
     @property
     def new_tokens(self) -> int:
@@ -101,10 +105,16 @@ class Workload:
         The predecessor's record is another entry's record, so it is not counted twice."""
         return self.entries * (RTT + RECORD + self.hash_bytes(mode))
 
+    def verify_bound_bytes(self, mode: str) -> int:
+        """:meth:`verify_bytes` with a whole 32-byte sector per fingerprinted PARTIAL strip (the
+        16 bytes a strip needs cost a sector of DRAM traffic): issue 13's PARTIAL bound."""
+        strip = 2 * abi.PARTIAL_HASH_BYTES if mode == "partial" else self.hash_bytes(mode)
+        return self.entries * (RTT + RECORD + strip)
+
     def verify_touched(self, mode: str, planned: bool) -> int:
         """What the kernels load: plan (4 int64) or two req_to_token reads, record, predecessor."""
         index = 4 * I64 if planned else 2 * RTT
-        preds = self.bs * max(0, self.prefix - 1)
+        preds = int(np.maximum(self.lens - 1, 0).sum())
         return self.entries * (index + RECORD + self.hash_bytes(mode)) + preds * PRED
 
     def write_bytes(self, mode: str) -> int:
@@ -125,46 +135,58 @@ def write(ctx: kc.VerifyContext, plan: kc.StepPlan, batch: kc.Batch, stream: int
     kc.write(ctx, plan, batch.input_ids, batch.positions, batch.out_cache_loc, stream=stream)
 
 
-LAYOUTS = ("decode", "contiguous", "random")
+LAYOUTS = ("decode", "contiguous", "paged", "vllm", "random")
+PAGE = 16          # slots per page of the paged layouts
+POOL_FACTOR = 4    # the paged pools hold this many times the batch's slots
 
 
-def slot_layout(layout: str, bs: int, length: int, rng) -> np.ndarray:
-    """[bs, length] slots in 1..bs*length (see the module docstring)."""
+def slot_layout(layout: str, bs: int, length: int, rng) -> tuple[np.ndarray, int]:
+    """([bs, length] slots, slots in the pool) (see the module docstring); slot 0 is never used."""
     if layout == "decode":
-        return 1 + np.arange(length, dtype=np.int64)[None, :] * bs + np.arange(bs, dtype=np.int64)[:, None]
+        return 1 + np.arange(length, dtype=np.int64)[None, :] * bs + np.arange(bs, dtype=np.int64)[:, None], bs * length + 1
     if layout == "contiguous":
-        return 1 + np.arange(bs * length, dtype=np.int64).reshape(bs, length)
+        return 1 + np.arange(bs * length, dtype=np.int64).reshape(bs, length), bs * length + 1
     if layout == "random":
-        return (rng.permutation(bs * length) + 1).reshape(bs, length)
+        return (rng.permutation(bs * length) + 1).reshape(bs, length), bs * length + 1
+    if layout in ("paged", "vllm"):
+        per_req = -(-length // PAGE)
+        pool_pages = POOL_FACTOR * bs * per_req + 1
+        pages = (rng.choice(pool_pages - 1, bs * per_req, replace=False) + 1).reshape(bs, per_req)  # page 0 holds slot 0
+        pos = np.arange(length, dtype=np.int64)
+        return pages[:, pos // PAGE] * PAGE + pos % PAGE, pool_pages * PAGE
     raise ValueError(f"perf: slot layout must be one of {LAYOUTS}, got {layout!r}")
 
 
 def make(bs: int, prefix: int, extend: int, *, probes, stream: int, bytes_per_token: int = 1024,
          layout: str = "decode", seed: int = 0) -> Workload:
     rng = np.random.default_rng(seed)
-    length = prefix + extend
-    num_slots = bs * length + 1
-    slots = slot_layout(layout, bs, length, rng)
+    lens = np.full(bs, prefix, np.int64)
+    if layout == "vllm" and prefix:
+        lens = rng.integers(max(1, prefix // 8), 2 * prefix - prefix // 8, bs).astype(np.int64)
+    length = int(lens.max(initial=0)) + extend
+    slots, num_slots = slot_layout(layout, bs, length, rng)
     rtt = np.zeros((bs + 1, length), np.int32)
     rtt[1:] = slots
     tokens = rng.integers(0, 1 << 17, (bs, length)).astype(np.int64)
-    positions = np.broadcast_to(np.arange(length, dtype=np.int64), (bs, length))
     dev = memory.to_device
     rpi, rtt_d = dev(np.arange(1, bs + 1, dtype=np.int64)), dev(rtt)
 
-    def batch(lo: int, hi: int) -> kc.Batch:
-        return kc.Batch(req_pool_indices=rpi, prefix_lens=dev(np.full(bs, lo, np.int64)),
-                        extend_lens=dev(np.full(bs, hi - lo, np.int64)), req_to_token=rtt_d,
-                        input_ids=dev(np.ascontiguousarray(tokens[:, lo:hi]).reshape(-1)),
-                        positions=dev(np.ascontiguousarray(positions[:, lo:hi]).reshape(-1)),
-                        out_cache_loc=dev(np.ascontiguousarray(slots[:, lo:hi]).reshape(-1).astype(np.int64)))
+    def batch(lo: np.ndarray, hi: np.ndarray) -> kc.Batch:
+        """Positions [lo[r], hi[r]) of every request as the new tokens."""
+        cols = [np.arange(a, b) for a, b in zip(lo.tolist(), hi.tolist())]
+        take = lambda m: np.concatenate([m[r, c] for r, c in enumerate(cols)]).astype(np.int64)  # noqa: E731
+        return kc.Batch(req_pool_indices=rpi, prefix_lens=dev(lo.astype(np.int64)),
+                        extend_lens=dev((hi - lo).astype(np.int64)), req_to_token=rtt_d,
+                        input_ids=dev(take(tokens)), positions=dev(np.concatenate(cols).astype(np.int64)),
+                        out_cache_loc=dev(take(slots)))
 
     pool = memory.empty((num_slots, bytes_per_token), np.uint8)
     probes.fill(pool.ptr, pool.nbytes, 11 + seed, stream)
     sink = kc.ViolationSink.allocate(device=0)
     settle()
-    return Workload(bs, prefix, extend, layout, bytes_per_token, num_slots, slots, rpi, rtt_d,
-                    batch(prefix, length), batch(0, prefix) if prefix else None, pool, sink, stream)
+    zero = np.zeros(bs, np.int64)
+    return Workload(bs, prefix, extend, layout, bytes_per_token, num_slots, slots, lens, rpi, rtt_d,
+                    batch(lens, lens + extend), batch(zero, lens) if prefix else None, pool, sink, stream)
 
 
 class Workloads:
@@ -182,5 +204,6 @@ class Workloads:
 
 
 DECODE_256 = (256, 4096, 1)
+DECODE_64 = (64, 4096, 1)
 STEP_SHAPES = {"decode-bs1": (1, 4096, 1), "decode-bs64": (64, 4096, 1), "decode-bs256": DECODE_256,
                "prefill-32768": (1, 0, 32768)}
