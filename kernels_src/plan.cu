@@ -75,6 +75,10 @@ extern "C" __global__ void __launch_bounds__(KVC_PREPARE_THREADS) kvc_prepare(co
   }
   // The new tokens against the write ranges: every range inside [0, T), and no token with a
   // real slot past them (padding tokens carry -1, skipped, or the padding slot 0).
+  // Entry offsets past the batch repeat the total, so a later launch given a larger batch (an
+  // engine bug between HEAD and TAIL) finds non-decreasing offsets and empty plans there.
+  for (long long r = p.batch_size + 1 + threadIdx.x; r <= p.write_req_capacity; r += blockDim.x)
+    p.entry_offsets[r] = entries_before;
   if (threadIdx.x == 0) first_unowned = ~0ULL;
   __syncthreads();
   if (p.out_cache_loc != 0)

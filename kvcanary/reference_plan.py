@@ -174,7 +174,7 @@ def fill_plan(*, verify, write, req_pool_indices, prefix_lens, extend_lens, req_
     TOKENS_UNOWNED row for the first token past them on a real slot (> 0). Capacity overflow:
     ``num_valid = capacity``, ``enable = 0`` and no entry is written; otherwise entries [0, total)
     are written. ``entry_offsets`` (int64
-    ``[>= bs + 1]``) receives the per-request entry offsets. Raises ValueError (before writing
+    ``[req_capacity + 1]``) receives the per-request entry offsets, the total past the batch. Raises ValueError (before writing
     anything) if the batch exceeds the write plan's request capacity.
     """
     rtt = np.asarray(req_to_token)
@@ -207,8 +207,9 @@ def fill_plan(*, verify, write, req_pool_indices, prefix_lens, extend_lens, req_
     counts = q.n
     total = int(counts.sum())
     offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    if entry_offsets is not None:
+    if entry_offsets is not None:  # past the batch: the total (non-decreasing for a larger batch later)
         entry_offsets[:bs + 1] = offsets
+        entry_offsets[bs + 1:len(write.seed) + 1] = total
     capacity = len(verify.slot)
     if total > capacity:
         verify.num_valid[0], verify.enable[0] = capacity, 0
