@@ -317,21 +317,18 @@ def as_view(obj, *, name: str, stream: int | None = None) -> ArrayView:
 
 
 def layout_key(obj):
-    """What a packed launch depends on of one Batch field, cheaply: address, shape, strides and
-    dtype of an array (torch tensors, ``__cuda_array_interface__`` producers, numpy), the value
-    of a scalar. Two arrays with equal keys can replay each other's launches; anything else keys
-    on its identity (never a false hit)."""
+    """(layout, address) of one Batch field, cheaply: what a packed launch's validation depends on
+    (shape, strides and dtype of an array; the value of a scalar) and where its data is. Arrays of
+    one layout can replay each other's launches once the address is patched in; anything kvcanary
+    does not recognise keys on its identity (never a false hit)."""
     if obj is None or isinstance(obj, (int, float)):
-        return obj
-    kind = type(obj)
-    if kind.__module__ == "torch" and hasattr(obj, "data_ptr"):
-        return (obj.data_ptr(), obj.shape, obj.stride(), obj.dtype)
-    if isinstance(obj, np.ndarray):
-        return (obj.__array_interface__["data"][0], obj.shape, obj.strides, obj.dtype.str)
+        return obj, None
+    if type(obj).__module__ == "torch" and hasattr(obj, "data_ptr"):
+        return (obj.shape, obj.stride(), obj.dtype), obj.data_ptr()
     cai = getattr(obj, "__cuda_array_interface__", None)
     if cai is not None:
-        return (cai["data"][0], tuple(cai["shape"]), cai.get("strides"), cai["typestr"])
-    return (kind, id(obj))
+        return (tuple(cai["shape"]), cai.get("strides"), cai["typestr"]), cai["data"][0]
+    return (type(obj), id(obj)), None
 
 
 _SHAPE_FIX = "reshape to [num_slots, bytes_per_slot], e.g. t.view(t.shape[0], -1)"

@@ -204,6 +204,8 @@ class SameMemory:
 
 
 def test_launches_are_repacked_only_when_a_batch_layout_changes(fake):
+    """New arrays of the same layout (an engine's fresh tensors every step) replay the packed
+    launches with their addresses patched in; another shape, dtype, scalar or aliasing repacks."""
     from kvcanary import memory
     canary, batch, _ = make_canary()
     s = stream(fake)
@@ -213,21 +215,29 @@ def test_launches_are_repacked_only_when_a_batch_layout_changes(fake):
     fresh = kc.Batch(**{k: SameMemory(v) if hasattr(v, "__cuda_array_interface__") else v
                         for k, v in batch.__dict__.items()})
     step(canary, fresh, s)                           # new objects, same addresses and layouts
+    batch.out_cache_loc = memory.to_device(np.array([10], np.int64))  # same layout, another address
+    step(canary, batch, s)
     assert list(canary._packed["HEAD"].values()) == [packed]
-    batch.out_cache_loc = memory.to_device(np.array([10], np.int64))
+    write = packed.launches[-1]
+    assert write.name == "kvc_write" and write.params.out_cache_loc == batch.out_cache_loc.ptr
+    prepare = packed.launches[0]
+    assert prepare.name == "kvc_prepare" and prepare.params.out_cache_loc == batch.out_cache_loc.ptr
+    fake.run()
+    assert canary.stats()["violations"] == 0
+    batch.out_cache_loc = memory.to_device(np.array([10, -1], np.int64))  # another shape
+    batch.input_ids = batch.positions = memory.to_device(np.array([7, 0], np.int64))  # aliased
     step(canary, batch, s)
     assert len(canary._packed["HEAD"]) == 2
-    write = list(canary._packed["HEAD"].values())[-1][-1]
-    assert write.name == "kvc_write" and write.params.out_cache_loc == batch.out_cache_loc.ptr
     batch.expected_token_offset = 1                  # a scalar field counts too
     step(canary, batch, s)
     assert len(canary._packed["HEAD"]) == 3
-    for k in range(LAYOUTS := 8):                    # at most 8 layouts are kept per stage
-        batch.out_cache_loc = memory.to_device(np.array([10 + k], np.int64))
+    for k in range(2, 2 + 8):                        # at most 8 layouts are kept per stage
+        batch.out_cache_loc = memory.to_device(np.array([10] + [-1] * k, np.int64))
+        batch.input_ids = batch.positions = memory.to_device(np.zeros(k + 1, np.int64))
         step(canary, batch, s)
-    assert len(canary._packed["HEAD"]) == LAYOUTS
-    for launches in canary._packed["HEAD"].values():  # a cached launch never keeps the batch alive
-        assert all(not any(x is batch.out_cache_loc for x in launch.keep) for launch in launches)
+    assert len(canary._packed["HEAD"]) == 8
+    for entry in canary._packed["HEAD"].values():    # a cached launch never keeps the batch alive
+        assert all(not any(x is batch.out_cache_loc for x in launch.keep) for launch in entry.launches)
 
 
 @pytest.mark.parametrize("hash_mode,read_bytes,tail_verify,block", [

@@ -34,6 +34,7 @@ def buffers(canary):
     return out
 
 
+@pytest.mark.emulated  # no GPU: the kernels run in tests/emu (fresh device arrays every step: patched launches)
 @pytest.mark.parametrize("swa", [False, True])
 @pytest.mark.parametrize("fault", [None, "rtt", "kv", "pos"])
 def test_session_on_gpu_equals_reference(swa, fault):
