@@ -1,0 +1,181 @@
+"""Issue 12: host time per eager step when an engine hands over new tensors every step.
+
+An engine never passes the same tensor objects twice: SGLang builds a new ForwardBatch per step,
+vLLM slices its persistent buffers per step, and the adapters create tensors of their own. Each
+row times one eager ``before_forward`` + ``after_forward`` (host seconds, the stream idle at each
+round's start) against the floor: the launches the canary made per step (counted, the pump's
+snapshot included) x the raw ``cuLaunchKernel`` floor measured in this run; target <= 1.5x.
+
+- ``fresh Batch``: a ``kvcanary.Batch`` of new torch tensors every step (prebuilt, so the
+  engine's own allocations stay out of the timed region; the addresses differ step to step);
+- ``reused Batch``: one Batch object every step (no regression of the hot path);
+- ``sglang_batch``: an SGLang-shaped ForwardBatch (forward_mode, req_pool_indices, seq_lens,
+  input_ids, positions, out_cache_loc; EXTEND adds extend_prefix_lens / extend_seq_lens) of new
+  tensors every step through ``kvcanary.adapters.sglang_batch`` (its casts and arithmetic
+  included: they are what the adapter costs);
+- ``vllm_batch``: vLLM-style persistent buffers (block table, seq_lens, query_start_loc,
+  slot_mapping) sliced per step, through ``kvcanary.adapters.vllm_batch`` with a persistent
+  ``req_to_token`` output;
+- ``ops``: ``build_plan`` + ``fused_verify`` + ``write`` called eagerly on a fresh Batch.
+Shapes: decode bs 1 / 64 / 256 x 1024 cached tokens, and an extend batch (4 requests x 512 new
+tokens after 1024 cached: a chunk of a chunked prefill). Pools: K and V halves of one layer,
+PARTIAL fingerprints, a paged layout for the vLLM rows.
+"""
+
+from __future__ import annotations
+
+import itertools
+import types
+
+import numpy as np
+import pytest
+
+import kvcanary as kc
+
+from .workloads import settle
+
+TARGET = ("<=", 1.5)
+SHAPES = {"decode-bs1": (1, 1024, 1), "decode-bs64": (64, 1024, 1), "decode-bs256": (256, 1024, 1),
+          "extend-4x512": (4, 1024, 512)}
+PREBUILT = 32  # distinct fresh batches cycled through (new addresses every step)
+
+
+def torch_or_skip():
+    return pytest.importorskip("torch")
+
+
+def as_torch(torch, a):
+    return torch.as_tensor(a, device="cuda")
+
+
+def make_canary(w, torch):
+    pool = as_torch(torch, w.pool)
+    src = kc.source_from_slots(pool)
+    canary = kc.KvCanary(kc.PoolGroup(w.num_slots, k_sources=[src], v_sources=[src]), device=0,
+                         hash_mode="partial", mode="log", max_batch=w.bs, verify_capacity=max(1, w.entries))
+    settle()
+    canary.before_forward(w.setup, stream=w.stream)  # stamp the cached prefix into HEAD and TAIL
+    canary.after_forward(w.setup, stream=w.stream)
+    return canary
+
+
+def fresh_batches(torch, w):
+    """PREBUILT Batches of new torch tensors holding the workload's timed step."""
+    fields = {k: v for k, v in w.batch.__dict__.items() if hasattr(v, "__cuda_array_interface__")}
+    base = {k: as_torch(torch, v) for k, v in fields.items()}
+    out = []
+    for _ in range(PREBUILT):
+        out.append(kc.Batch(**{k: t.clone() for k, t in base.items()}))
+    return out
+
+
+def forward_batches(torch, w, mode: str):
+    """PREBUILT SGLang-style ForwardBatches (new tensors each) of the workload's timed step."""
+    b = {k: as_torch(torch, v) for k, v in w.batch.__dict__.items() if hasattr(v, "__cuda_array_interface__")}
+    out = []
+    for _ in range(PREBUILT):
+        fb = types.SimpleNamespace(forward_mode=types.SimpleNamespace(name=mode),
+                                   req_pool_indices=b["req_pool_indices"].clone(),
+                                   seq_lens=(b["prefix_lens"] + b["extend_lens"]).clone(),
+                                   input_ids=b["input_ids"].to(torch.int32), positions=b["positions"].clone(),
+                                   out_cache_loc=b["out_cache_loc"].clone())
+        if mode == "EXTEND":
+            fb.extend_prefix_lens = b["prefix_lens"].to(torch.int32)
+            fb.extend_seq_lens = b["extend_lens"].to(torch.int32)
+        out.append(fb)
+    return out
+
+
+def time_steps(report, timer, bounds, canary, make_batch, name: str):
+    calls = [0]
+
+    def step():
+        calls[0] += 1
+        batch = make_batch()
+        canary.before_forward(batch, stream=timer.handle)
+        canary.after_forward(batch, stream=timer.handle)
+
+    for _ in range(3):  # packed once per layout, outside the timed rounds
+        step()
+    n0, c0 = canary.launch_count, calls[0]
+    t = report.host(step, batch=10, rounds=15, sync=timer.sync)
+    n = (canary.launch_count - n0) / (calls[0] - c0)
+    canary.flush()
+    assert canary.stats()["violations"] == 0, "the benchmark workload must step clean"
+    report.row(f"host path: {name}", t, "s", bound=n * bounds.launch_floor,
+               bound_name=f"{n:.3g} launches per step x raw launch floor", target=TARGET, launches_per_step=n)
+
+
+@pytest.mark.parametrize("how", ["fresh Batch", "reused Batch", "sglang_batch"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_manager_host_path(report, workloads, timer, bounds, shape, how):
+    torch = torch_or_skip()
+    from kvcanary.adapters import sglang_batch
+    w = workloads.get(*SHAPES[shape])
+    canary = make_canary(w, torch)
+    if how == "reused Batch":
+        batch = w.batch
+        make = lambda: batch  # noqa: E731
+    elif how == "fresh Batch":
+        make = itertools.cycle(fresh_batches(torch, w)).__next__
+    else:
+        rtt = as_torch(torch, w.rtt)
+        fbs = itertools.cycle(forward_batches(torch, w, "DECODE" if w.extend == 1 else "EXTEND"))
+        make = lambda: sglang_batch(next(fbs), rtt)  # noqa: E731
+    time_steps(report, timer, bounds, canary, make, f"manager, {how}, {w.label}")
+
+
+@pytest.mark.parametrize("shape", ["decode-bs1", "decode-bs64", "decode-bs256"])
+def test_vllm_persistent_buffers_sliced_per_step(report, workloads, timer, bounds, shape):
+    torch = torch_or_skip()
+    from kvcanary.adapters import vllm_batch
+    bs, prefix, extend = SHAPES[shape]
+    w = workloads.get(bs, prefix, extend, layout="paged")
+    canary = make_canary(w, torch)
+    block = 16
+    blocks = torch.as_tensor(np.ascontiguousarray(w.slots[:, ::block] // block).astype(np.int32), device="cuda")
+    max_reqs = 2 * bs  # persistent buffers are larger than the batch; the step slices them
+    table = torch.zeros((max_reqs, blocks.shape[1]), dtype=torch.int32, device="cuda")
+    table[:bs] = blocks
+    seq = torch.zeros(max_reqs, dtype=torch.int32, device="cuda")
+    seq[:bs] = prefix + extend
+    qsl = torch.arange(max_reqs + 1, dtype=torch.int32, device="cuda") * extend
+    b = {k: as_torch(torch, v) for k, v in w.batch.__dict__.items() if hasattr(v, "__cuda_array_interface__")}
+    slot_mapping = torch.full((2 * bs * extend,), -1, dtype=torch.int64, device="cuda")
+    slot_mapping[:bs * extend] = b["out_cache_loc"]
+    ids = torch.zeros(2 * bs * extend, dtype=torch.int32, device="cuda")
+    ids[:bs * extend] = b["input_ids"]
+    pos = torch.zeros(2 * bs * extend, dtype=torch.int64, device="cuda")
+    pos[:bs * extend] = b["positions"]
+    rtt_out = torch.zeros((max_reqs + 1, blocks.shape[1] * block), dtype=torch.int32, device="cuda")
+    t = bs * extend
+
+    def make():
+        return vllm_batch(block_table=table[:bs], seq_lens=seq[:bs], query_start_loc=qsl[:bs + 1],
+                          slot_mapping=slot_mapping[:t], input_ids=ids[:t], positions=pos[:t], block_size=block,
+                          req_to_token=rtt_out)
+
+    time_steps(report, timer, bounds, canary, make, f"manager, vllm_batch (persistent buffers sliced), {w.label}")
+
+
+@pytest.mark.parametrize("shape", ["decode-bs1", "decode-bs64", "decode-bs256"])
+def test_ops_path_eager(report, workloads, timer, bounds, shape):
+    torch = torch_or_skip()
+    w = workloads.get(*SHAPES[shape])
+    ctx, plan = w.context("partial"), w.plan()
+    batches = itertools.cycle(fresh_batches(torch, w))
+    h = timer.handle
+
+    def step():
+        b = next(batches)
+        kc.build_plan(b, plan, stream=h)
+        kc.fused_verify(ctx, b, plan, stream=h)
+        kc.write(ctx, plan, b.input_ids, b.positions, b.out_cache_loc, stream=h)
+
+    for _ in range(3):
+        step()
+    t = report.host(step, batch=10, rounds=15, sync=timer.sync)
+    assert w.violations() == 0, "the benchmark workload must step clean"
+    report.row(f"host path: ops build_plan + fused_verify + write, fresh Batch, {w.label}", t, "s",
+               bound=3 * bounds.launch_floor, bound_name="3 launches x raw launch floor", target=TARGET,
+               launches_per_step=3)
