@@ -1,20 +1,20 @@
 // Verify kernels (docs/format.md §6). kvc_verify reads a materialised VerifyPlan; kvc_fused_verify
 // derives every entry from the engine's req_to_token and the entry offsets of kvc_prepare, so the
 // per-entry plan never touches memory. Both are graph-safe (every per-step value is read from
-// device memory) and any grid size is correct (grid-stride over block tiles).
+// device memory) and any grid size is correct (grid-stride over warp tiles).
 //
-// A block tile is VT x BLOCK consecutive entries, thread t holding entries tile + v * BLOCK + t:
-// index loads are coalesced whatever the slot layout, and all of a thread's loads are issued
-// before the first result is needed. Entry e's predecessor is usually entry e - 1 (the same
-// request's previous position), whose chain value the tile shares through shared memory instead
-// of loading that record again; where it is not (a tile's first entry, a request's first entry,
-// a plan whose entries are not in order), the predecessor's record is loaded directly. The *_wide
-// variants (strips of KVC_WIDE_HASH_BYTES or more) fetch a warp's strips cooperatively.
+// Work is cut into warp tiles of consecutive entries: lane l holds entries v * 32 + l, v < VT, so
+// every load of a tile is issued before the first result is needed, and entry e's predecessor
+// entry e - 1 sits in the neighbouring lane. In a request's run of entries that predecessor entry
+// is e's predecessor slot, so its chain value is shuffled across instead of loaded again: a tile
+// reads each record once. The *_wide variants (strips of KVC_WIDE_HASH_BYTES or more) fetch the
+// real-KV strips of a warp cooperatively, coalesced and staged through shared memory, and fold
+// each strip in its own lane. One kernel for every slot layout: nothing is chosen by batch size.
 //
-// Safety: the plan, the offsets and the batch are device data that an engine bug can fill with
+// Safety: the plan, the offsets and the batch are device data an engine bug can fill with
 // anything. Slots are checked against the canary buffer before any load; a fused entry is read
 // only when it is an entry of its request in the batch this launch was given (which may differ
-// from the batch the plan was built from: those entries are skipped and counted, and block 0
+// from the batch the plan was built from: such entries are skipped and counted, and block 0
 // reports each request whose entry count disagrees).
 #include "fingerprint.cuh"
 
@@ -32,10 +32,10 @@ struct KvcRecord {
 };
 
 template <class P>
-__device__ __forceinline__ KvcRecord kvc_load_record(const P& p, long long slot) {
+__device__ __forceinline__ KvcRecord kvc_load_record(const P& p, long long slot, bool vec) {
   const long long* f = kvc_slot(p, slot);
   long long w[4];
-  if ((p.slot_stride_words & 1) == 0 && ((unsigned long long)p.canary & 15) == 0) {
+  if (vec) {
     const longlong2 a = __ldg(reinterpret_cast<const longlong2*>(f)), b = __ldg(reinterpret_cast<const longlong2*>(f) + 1);
     w[0] = a.x; w[1] = a.y; w[2] = b.x; w[3] = b.y;
   } else {
@@ -58,45 +58,172 @@ __device__ __forceinline__ long long kvc_verify_begin(const P& p, const int* ena
   return active;
 }
 
-// The checks of §6 step 3 for one live entry whose record `r` was loaded when its slot is in
-// range; `pred` is the chain value its predecessor gives (used when prev is a slot in range).
-template <class P>
-__device__ __forceinline__ void kvc_check(const P& p, const KvcEntry& x, const KvcRecord& r, uint64_t rkv,
-                                          uint64_t pred, bool check) {
-  if (x.slot == KVC_PADDING_SLOT) {  // a real request never reads the padding slot
-    kvc_record(p, x.slot, x.position, 0, KVC_NO_EXPECTED_TOKEN, 0, 0, KVC_PADDING_SLOT_READ);
-    return;
+// `x[v]` of the lane holding the entry before this lane's entry v: lane - 1, or lane 31 of v - 1
+// for lane 0 (lane 0 of v = 0 gets its own value: nothing precedes it in the tile).
+template <int VT, class T>
+__device__ __forceinline__ T kvc_from_prev_entry(const T* x, int v) {
+  T up = __shfl_up_sync(KVC_FULL_MASK, x[v], 1);
+  if (v > 0) {
+    const T wrap = __shfl_sync(KVC_FULL_MASK, x[v > 0 ? v - 1 : 0], 31);
+    if ((threadIdx.x & 31) == 0) up = wrap;
   }
-  if (x.slot < 0 || x.slot >= p.num_slots) {
-    kvc_record(p, x.slot, x.position, 0, KVC_NO_EXPECTED_TOKEN, 0, 0, KVC_SLOT_OUT_OF_RANGE);
-    return;
+  return up;
+}
+
+// One warp tile, §6 steps 2-3 for every live entry: lane l holds tile entry i = v * 32 + l
+// (v < VT), the entry held before entry i is i - 1, in the neighbouring lane (i = 0 holds the
+// entry before the tile's first, for its chain value only). `held` entries are loaded, `live`
+// ones verified; `nb_prev[v]`: the entry held before v is its predecessor slot, so that entry's
+// chain value is used instead of loading the record again. Predecessors follow the plan's
+// values (§8): -1 a chain head, 0 not checked, KVC_PREV_ON_PADDING not checked and reported.
+// Every lane of the warp must call it (shuffles).
+template <int VT, bool WIDE, class P>
+__device__ __forceinline__ void kvc_verify_tile(const P& p, const long long* slot, const long long* prev,
+                                                const long long* etok, const long long* epos, const bool* held,
+                                                const bool* live, const bool* nb_prev, bool check, KvcWideStage* stage) {
+  const bool vec = (p.slot_stride_words & 1) == 0 && ((unsigned long long)p.canary & 15) == 0;
+  bool own[VT], direct[VT];  // loads this entry's record; loads the predecessor's record itself
+#pragma unroll
+  for (int v = 0; v < VT; ++v) {
+    own[v] = held[v] && slot[v] > 0 && slot[v] < p.num_slots;
+    direct[v] = live[v] && own[v] && prev[v] > 0 && prev[v] < p.num_slots && !nb_prev[v];
   }
-  long long bits = 0;
-  uint64_t expected_chain = r.prev_hash;  // not checked (predecessor on the padding slot)
-  if (x.prev == KVC_CHAIN_HEAD) {
-    expected_chain = kvc_sm(KVC_ANCHOR);
-  } else if (x.prev == KVC_PREV_ON_PADDING) {
-    bits |= KVC_PADDING_SLOT_READ;
-  } else if (x.prev < 0 || x.prev >= p.num_slots) {
-    expected_chain = 0;
-    bits |= KVC_VERIFY_CHAIN_HASH_MISMATCH | KVC_SLOT_OUT_OF_RANGE;
-  } else if (x.prev != KVC_PADDING_SLOT) {
-    expected_chain = pred;
+  KvcRecord rec[VT];
+#pragma unroll
+  for (int v = 0; v < VT; ++v) rec[v] = own[v] ? kvc_load_record(p, slot[v], vec) : KvcRecord{0, 0, 0, 0};
+  uint64_t prev_hash[VT];  // chain value expected from a predecessor loaded directly (rare)
+#pragma unroll
+  for (int v = 0; v < VT; ++v) {
+    prev_hash[v] = 0;
+    if (direct[v]) {
+      const KvcRecord r = kvc_load_record(p, prev[v], vec);
+      prev_hash[v] = kvc_mix3(r.prev_hash, (uint64_t)r.token, (uint64_t)r.position);
+    }
   }
-  if (r.prev_hash != expected_chain) bits |= KVC_VERIFY_CHAIN_HASH_MISMATCH;
-  if (r.position != x.position) bits |= KVC_VERIFY_POSITION_MISMATCH;
-  if (r.real_kv_hash != rkv) bits |= KVC_VERIFY_REAL_KV_HASH_MISMATCH;
-  if (check && x.expected_token != KVC_NO_EXPECTED_TOKEN && r.token != x.expected_token)
-    bits |= KVC_VERIFY_TOKEN_MISMATCH;
-  if (bits)
-    kvc_record(p, x.slot, r.position, r.token, check ? x.expected_token : KVC_NO_EXPECTED_TOKEN, r.prev_hash,
-               expected_chain, bits);
+  uint64_t rkv[VT];
+#pragma unroll
+  for (int v = 0; v < VT; ++v) {
+    if (WIDE) rkv[v] = kvc_fingerprint_warp(p, slot[v], own[v] && live[v], stage[threadIdx.x >> 5]);
+    else rkv[v] = own[v] && live[v] ? kvc_fingerprint_narrow(p, slot[v]) : 0;
+  }
+  uint64_t succ[VT];  // the chain value a successor of this lane's slot expects
+#pragma unroll
+  for (int v = 0; v < VT; ++v) succ[v] = kvc_mix3(rec[v].prev_hash, (uint64_t)rec[v].token, (uint64_t)rec[v].position);
+#pragma unroll
+  for (int v = 0; v < VT; ++v) {
+    const uint64_t nb_hash = kvc_from_prev_entry<VT>(succ, v);  // every lane shuffles
+    if (!live[v]) continue;
+    if (slot[v] == KVC_PADDING_SLOT) {  // a real request never reads the padding slot
+      kvc_record(p, slot[v], epos[v], 0, KVC_NO_EXPECTED_TOKEN, 0, 0, KVC_PADDING_SLOT_READ);
+      continue;
+    }
+    if (!own[v]) {
+      kvc_record(p, slot[v], epos[v], 0, KVC_NO_EXPECTED_TOKEN, 0, 0, KVC_SLOT_OUT_OF_RANGE);
+      continue;
+    }
+    const KvcRecord& r = rec[v];
+    long long bits = 0;
+    uint64_t expected_chain = r.prev_hash;  // not checked (a predecessor on the padding slot)
+    if (prev[v] == KVC_CHAIN_HEAD) {
+      expected_chain = kvc_sm(KVC_ANCHOR);
+    } else if (prev[v] == KVC_PREV_ON_PADDING) {
+      bits |= KVC_PADDING_SLOT_READ;
+    } else if (prev[v] < 0 || prev[v] >= p.num_slots) {
+      expected_chain = 0;
+      bits |= KVC_VERIFY_CHAIN_HASH_MISMATCH | KVC_SLOT_OUT_OF_RANGE;
+    } else if (prev[v] != KVC_PADDING_SLOT) {
+      expected_chain = direct[v] ? prev_hash[v] : nb_hash;
+    }
+    if (r.prev_hash != expected_chain) bits |= KVC_VERIFY_CHAIN_HASH_MISMATCH;
+    if (r.position != epos[v]) bits |= KVC_VERIFY_POSITION_MISMATCH;
+    if (r.real_kv_hash != rkv[v]) bits |= KVC_VERIFY_REAL_KV_HASH_MISMATCH;
+    if (check && etok[v] != KVC_NO_EXPECTED_TOKEN && r.token != etok[v]) bits |= KVC_VERIFY_TOKEN_MISMATCH;
+    if (bits)
+      kvc_record(p, slot[v], r.position, r.token, check ? etok[v] : KVC_NO_EXPECTED_TOKEN, r.prev_hash,
+                 expected_chain, bits);
+  }
+}
+
+// Warp tiles over the entries: a tile verifies 32 * VT - 1 consecutive entries and also holds the
+// one before them, so every verified entry's predecessor entry is in the tile.
+template <int VT>
+struct KvcTiles {
+  static constexpr int kVerified = 32 * VT - 1;
+  long long first, step;
+  __device__ __forceinline__ KvcTiles() {
+    first = (((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5) * kVerified;
+    step = ((long long)gridDim.x * blockDim.x >> 5) * kVerified;
+  }
+};
+
+// Owners of entries e0 <= e1, searched by the whole warp: each round every lane tests one of 32
+// evenly spaced request offsets, so a batch of up to 1024 requests takes two rounds. All lanes
+// get the answers, in [0, batch_size) whatever the offsets hold.
+template <class B>
+__device__ __forceinline__ void kvc_owner2_warp(const B& b, long long e0, long long e1, int* r0, int* r1) {
+  const int lane = threadIdx.x & 31;
+  int lo0 = 0, hi0 = (int)b.batch_size, lo1 = 0, hi1 = (int)b.batch_size;  // answers in [lo, hi)
+  while (hi0 - lo0 > 1 || hi1 - lo1 > 1) {
+    const int w0 = (hi0 - lo0 + 31) >> 5, w1 = (hi1 - lo1 + 31) >> 5;
+    const int i0 = lo0 + (lane + 1) * w0, i1 = lo1 + (lane + 1) * w1;
+    const bool ok0 = i0 < hi0 && b.entry_offsets[i0] <= e0, ok1 = i1 < hi1 && b.entry_offsets[i1] <= e1;
+    lo0 += __popc(__ballot_sync(KVC_FULL_MASK, ok0)) * w0;
+    hi0 = min(hi0, lo0 + w0);
+    lo1 += __popc(__ballot_sync(KVC_FULL_MASK, ok1)) * w1;
+    hi1 = min(hi1, lo1 + w1);
+  }
+  *r0 = lo0;
+  *r1 = lo1;
+}
+
+// What the fused verify needs of request r in this launch's batch: its req_to_token row, first
+// verified position, verified count (0 for padding and rejected requests) and first entry.
+struct KvcFusedReq {
+  const int* rtt_row;
+  long long row, lo, n, off;
+};
+
+template <class B>
+__device__ __forceinline__ KvcFusedReq kvc_fused_req(const B& b, int r) {
+  const KvcRequest q = kvc_request(b, r);
+  return {q.ok ? b.req_to_token + q.row * b.rtt_row_stride : b.req_to_token, q.row, q.lo, q.n, b.entry_offsets[r]};
+}
+
+template <int VT, bool WIDE>
+__device__ __forceinline__ void kvc_verify_plan(const KvcVerifyParams& p, KvcWideStage* stage) {
+  const long long active = kvc_verify_begin(p, p.plan_enable, p.plan_num_valid, p.plan_capacity);
+  const bool check = p.check_expected_token != 0;
+  const int lane = threadIdx.x & 31;
+  const KvcTiles<VT> t;
+  for (long long first = t.first; first < active; first += t.step) {
+    long long slot[VT], prev[VT], etok[VT], epos[VT];
+    bool held[VT], live[VT], nb_prev[VT];
+#pragma unroll
+    for (int v = 0; v < VT; ++v) {
+      const int i = v * 32 + lane;
+      const long long e = first - 1 + i;
+      held[v] = e >= 0 && e < active;
+      live[v] = held[v] && i > 0;
+      const long long at = held[v] ? e : first;
+      slot[v] = p.plan_slot[at];
+      prev[v] = p.plan_prev_slot[at];
+      etok[v] = p.plan_expected_token[at];
+      epos[v] = p.plan_expected_position[at];
+    }
+#pragma unroll
+    for (int v = 0; v < VT; ++v) {
+      const long long nb = kvc_from_prev_entry<VT>(slot, v);
+      nb_prev[v] = live[v] && first - 2 + v * 32 + lane >= 0 && nb == prev[v];
+    }
+    kvc_verify_tile<VT, WIDE>(p, slot, prev, etok, epos, held, live, nb_prev, check, stage);
+  }
 }
 
 // Block 0 of a fused verify: one BATCH row per request whose entry count in the plan differs
 // from what this launch's batch gives (e.g. the batch changed between HEAD and TAIL).
 template <class B>
 __device__ __forceinline__ void kvc_check_entry_counts(const B& p) {
+  if (blockIdx.x != 0) return;
   for (long long r = threadIdx.x; r < p.batch_size; r += blockDim.x) {
     const KvcRequest q = kvc_request(p, r);
     const long long planned = p.entry_offsets[r + 1] - p.entry_offsets[r];
@@ -104,96 +231,84 @@ __device__ __forceinline__ void kvc_check_entry_counts(const B& p) {
   }
 }
 
-template <int VT, int BLOCK, bool WIDE, bool FUSED, class P>
-__device__ __forceinline__ void kvc_verify_tiles(const P& p, const int* enable, const int* num_valid, long long capacity,
-                                                 KvcWideStage* stage) {
-  constexpr int kTile = VT * BLOCK;
-  __shared__ uint64_t succ_sh[kTile];  // the chain value a successor of each tile entry expects
-  __shared__ long long slot_sh[kTile];  // each tile entry's slot (0 when its record was not loaded)
-  __shared__ long long owners[2];
-  const long long active = kvc_verify_begin(p, enable, num_valid, capacity);
+template <int VT, bool WIDE>
+__device__ __forceinline__ void kvc_verify_fused(const KvcFusedVerifyParams& p, KvcWideStage* stage) {
+  const long long active = kvc_verify_begin(p, p.verify_enable, p.verify_num_valid, p.verify_capacity);
   if (active < 0) return;  // disabled: the same in every thread
-  if constexpr (FUSED) {
-    if (blockIdx.x == 0) kvc_check_entry_counts(p);
+  if (p.batch_size <= 0) {  // no request owns any entry: all skipped
+    if (blockIdx.x == 0 && threadIdx.x == 0 && active > 0 && p.skip_counter != 0)
+      atomicAdd(p.skip_counter, (unsigned long long)active);
+    return;
   }
+  kvc_check_entry_counts(p);
   const bool check = p.check_expected_token != 0;
-  const int tid = threadIdx.x;
+  const int lane = threadIdx.x & 31;
+  constexpr int kVerified = KvcTiles<VT>::kVerified;
+  const KvcTiles<VT> t;
   unsigned skipped = 0;
-  for (long long tile = (long long)blockIdx.x * kTile; tile < active; tile += (long long)gridDim.x * kTile) {
-    long long r_lo = 0, r_hi = 1;
-    if constexpr (FUSED) {  // the owners of the tile's first and last entries bound every entry's owner
-      if (tid < 2) owners[tid] = kvc_owner(p, tid == 0 ? tile : min(tile + kTile, active) - 1);
-      __syncthreads();
-      r_lo = owners[0];
-      r_hi = max(owners[0], owners[1]) + 1;
-    }
-    KvcEntry x[VT];
+  for (long long first = t.first; first < active; first += t.step) {
+    const long long last = (active - first > kVerified ? first + kVerified : active) - 1;
+    int r_first, r_last;  // owners of the tile's first and last held entries
+    kvc_owner2_warp(p, first > 0 ? first - 1 : 0, last, &r_first, &r_last);
+    if (r_last < r_first) r_last = r_first;  // offsets that decrease (device garbage): search them all
+    const KvcFusedReq q_first = kvc_fused_req(p, r_first);
+    long long slot[VT], prev[VT], etok[VT], epos[VT];
+    bool held[VT], live[VT], inner[VT];
 #pragma unroll
-    for (int v = 0; v < VT; ++v) {
-      const long long e = tile + v * BLOCK + tid;
-      if constexpr (FUSED) {
-        const bool in = e < active && p.batch_size > 0;  // an empty batch has no request to own e
-        x[v] = in ? kvc_fused_entry(p, e, kvc_owner_in(p, e, r_lo, r_hi))
-                  : KvcEntry{0, KVC_CHAIN_HEAD, KVC_NO_EXPECTED_TOKEN, 0, false};
-        skipped += e < active && !x[v].live;
-      } else {
-        const bool in = e < active;
-        const long long at = in ? e : 0;
-        x[v] = {p.plan_slot[at], p.plan_prev_slot[at], p.plan_expected_token[at], p.plan_expected_position[at], in};
+    for (int v = 0; v < VT; ++v) {  // every index load of the tile first
+      const int i = v * 32 + lane;
+      const long long e = first - 1 + i;
+      const long long at = e >= 0 && e < active ? e : last;
+      int r = r_first;
+      KvcFusedReq q = q_first;
+      if (r_first != r_last) {
+        r = (int)kvc_owner_in(p, at, r_first, r_last + 1);
+        if (r != r_first) q = kvc_fused_req(p, r);
       }
+      const long long k = at - q.off;
+      const bool ok = k >= 0 && k < q.n;  // an entry of request r in this batch: its row and position are valid
+      held[v] = e >= 0 && e < active && ok;
+      live[v] = held[v] && i > 0;
+      skipped += e >= 0 && e < active && i > 0 && !ok;
+      const long long pos = q.lo + (ok ? k : 0);
+      inner[v] = live[v] && k > 0;  // the entry held before is this request's pos - 1 (a required predecessor)
+      const long long raw = ok ? (long long)q.rtt_row[pos] : 0;
+      slot[v] = ok ? kvc_map_slot(p, raw) : 0;
+      prev[v] = KVC_CHAIN_HEAD;
+      if (live[v] && !inner[v] && pos > 0) prev[v] = kvc_map_slot(p, (long long)q.rtt_row[pos - 1]);
+      etok[v] = live[v] ? kvc_expected_token(p, r, q.row, pos) : KVC_NO_EXPECTED_TOKEN;
+      epos[v] = pos;
     }
-    bool own[VT];  // the entry's record is loaded (a live entry on a slot in range)
-    KvcRecord rec[VT];
-    uint64_t rkv[VT];
 #pragma unroll
     for (int v = 0; v < VT; ++v) {
-      own[v] = x[v].live && x[v].slot > 0 && x[v].slot < p.num_slots;
-      rec[v] = own[v] ? kvc_load_record(p, x[v].slot) : KvcRecord{0, 0, 0, 0};
+      const long long nb = kvc_from_prev_entry<VT>(slot, v);
+      if (inner[v]) prev[v] = nb;
+      if (prev[v] == KVC_PREV_ON_PADDING) prev[v] = KVC_SWA_UNMAPPED;  // a map value colliding with the marker
+      if (inner[v] && prev[v] == KVC_PADDING_SLOT) prev[v] = KVC_PREV_ON_PADDING;
     }
-#pragma unroll
-    for (int v = 0; v < VT; ++v) {
-      if (WIDE) rkv[v] = kvc_fingerprint_warp(p, x[v].slot, own[v], stage[tid >> 5]);
-      else rkv[v] = own[v] ? kvc_fingerprint_narrow(p, x[v].slot) : 0;
-      const int i = v * BLOCK + tid;
-      succ_sh[i] = kvc_mix3(rec[v].prev_hash, (uint64_t)rec[v].token, (uint64_t)rec[v].position);
-      slot_sh[i] = own[v] ? x[v].slot : 0;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int v = 0; v < VT; ++v) {
-      if (!x[v].live) continue;
-      const int i = v * BLOCK + tid;
-      const long long prev = x[v].prev;
-      uint64_t pred = 0;
-      if (own[v] && prev > 0 && prev < p.num_slots)
-        pred = (i > 0 && slot_sh[i - 1] == prev) ? succ_sh[i - 1] : kvc_slot_hash(p, prev);
-      kvc_check(p, x[v], rec[v], rkv[v], pred, check);
-    }
-    __syncthreads();  // the tile's shared values are read before the next tile's are written
+    kvc_verify_tile<VT, WIDE>(p, slot, prev, etok, epos, held, live, inner, check, stage);
   }
   kvc_warp_count(p.skip_counter, skipped);
 }
 
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_VERIFY_BLOCKS_PER_SM)
 kvc_verify(const __grid_constant__ KvcVerifyParams p) {
-  kvc_verify_tiles<KVC_VT, KVC_BLOCK_THREADS, false, false>(p, p.plan_enable, p.plan_num_valid, p.plan_capacity, nullptr);
+  kvc_verify_plan<KVC_VT, false>(p, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(KVC_WIDE_VERIFY_THREADS)
 kvc_verify_wide(const __grid_constant__ KvcVerifyParams p) {
   __shared__ KvcWideStage stage[KVC_WIDE_VERIFY_THREADS / 32];
-  kvc_verify_tiles<1, KVC_WIDE_VERIFY_THREADS, true, false>(p, p.plan_enable, p.plan_num_valid, p.plan_capacity, stage);
+  kvc_verify_plan<1, true>(p, stage);
 }
 
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_VERIFY_BLOCKS_PER_SM)
 kvc_fused_verify(const __grid_constant__ KvcFusedVerifyParams p) {
-  kvc_verify_tiles<KVC_VT, KVC_BLOCK_THREADS, false, true>(p, p.verify_enable, p.verify_num_valid, p.verify_capacity,
-                                                           nullptr);
+  kvc_verify_fused<KVC_VT, false>(p, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(KVC_WIDE_VERIFY_THREADS)
 kvc_fused_verify_wide(const __grid_constant__ KvcFusedVerifyParams p) {
   __shared__ KvcWideStage stage[KVC_WIDE_VERIFY_THREADS / 32];
-  kvc_verify_tiles<1, KVC_WIDE_VERIFY_THREADS, true, true>(p, p.verify_enable, p.verify_num_valid, p.verify_capacity,
-                                                           stage);
+  kvc_verify_fused<1, true>(p, stage);
 }

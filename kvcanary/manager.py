@@ -18,6 +18,7 @@ import threading
 import warnings
 from collections import OrderedDict
 from dataclasses import dataclass
+from operator import is_
 from typing import Any, NamedTuple, Sequence
 
 import numpy as np
@@ -161,6 +162,7 @@ class KvCanary:
         self._masks = [np.array([k.stage == st for k in self.keys], np.int64) for st in STAGES]
         self._last = None  # (newest snapshot processed, its meta)
         self._packed = {st: OrderedDict() for st in STAGES}  # layout key -> launches, per stage
+        self._hot = {st: None for st in STAGES}  # (the last step's field objects, their entry)
         self._stage_launches = 0
         self._skipped = 0
         first = {g: next(i for i, k in enumerate(self.keys) if k.group == g) for g in self.groups}
@@ -207,7 +209,11 @@ class KvCanary:
         """The stage's packed launches for this batch: validated and packed once per array layout
         (shapes, strides, dtypes, scalars, which fields alias), then replayed with the current
         arrays' addresses patched into their params (an engine hands over new tensors every step)."""
-        keys = [layout_key(v) for v in batch.__dict__.values()]
+        fields = tuple(batch.__dict__.values())
+        hot = self._hot[stage]
+        if hot is not None and all(map(is_, fields, hot[0])):  # the very arrays of the last step
+            return hot[1].launches
+        keys = [layout_key(v) for v in fields]
         ptrs = tuple(p for _, p in keys)
         first = {}
         key = (tuple(k for k, _ in keys), tuple(first.setdefault(p, i) if p else -1 for i, p in enumerate(ptrs)))
@@ -222,6 +228,7 @@ class KvCanary:
             for params, name, i in entry.patches:
                 setattr(params, name, ptrs[i])
             entry.ptrs = ptrs
+        self._hot[stage] = (fields, entry)  # held until the next step of the stage replaces it
         return entry.launches
 
     def _pack(self, batch: Batch, stage: str, stream) -> list:

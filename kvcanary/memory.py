@@ -21,8 +21,12 @@ class _Allocation:
     def __init__(self, rt: driver.DeviceRuntime, nbytes: int):
         d = driver._driver()
         self.rt, self.nbytes = rt, nbytes
-        self.ptr = int(check(rt.call(d.cuMemAlloc, max(nbytes, 1)), f"cuMemAlloc({nbytes})",
-                             "the GPU is out of memory"))
+        err, ptr = rt.call(d.cuMemAlloc, max(nbytes, 1))
+        hint = {"CUDA_ERROR_OUT_OF_MEMORY": "the GPU is out of memory; fix: free memory or allocate less",
+                "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED": "a stream of this context is capturing a CUDA graph, "
+                "where allocation is not allowed; fix: create kvcanary state (and run the first step, which "
+                "packs the launches) before the capture"}.get(getattr(err, "name", ""), "")
+        self.ptr = int(check((err, ptr), f"cuMemAlloc({nbytes})", hint))
 
     def __del__(self):
         ptr, self.ptr = getattr(self, "ptr", 0), 0

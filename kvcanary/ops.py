@@ -22,7 +22,9 @@ from .state import VerifyContext, ViolationSink, checked, same_device
 from .validate import boolean
 
 BLOCK = abi.BLOCK_THREADS
-_NARROW_TILE = abi.VERIFY_LANE_ENTRIES * abi.BLOCK_THREADS  # entries of a narrow verify block tile
+def _block_entries(block: int, lane_entries: int) -> int:
+    """Entries a block of warp tiles verifies per round (a tile re-holds its predecessor entry)."""
+    return (32 * lane_entries - 1) * (block // 32)
 
 
 def _ref_sources(ctx: VerifyContext) -> list[reference.RefSource]:
@@ -57,9 +59,9 @@ def _verify_shape(rt, name: str, capacity: int, hash_bytes: tuple[int, ...]) -> 
     driver's occupancy for the kernel), never more blocks than the plan capacity has tiles."""
     wide = any(h >= abi.WIDE_HASH_BYTES for h in hash_bytes)
     if wide:
-        name, block, tile = f"{name}_wide", abi.WIDE_VERIFY_THREADS, abi.WIDE_VERIFY_THREADS
+        name, block, tile = f"{name}_wide", abi.WIDE_VERIFY_THREADS, _block_entries(abi.WIDE_VERIFY_THREADS, 1)
     else:
-        block, tile = BLOCK, _NARROW_TILE
+        block, tile = BLOCK, _block_entries(BLOCK, abi.VERIFY_LANE_ENTRIES)
     return name, max(1, min(rt.resident_blocks(name, block), -(-capacity // tile))), block
 
 

@@ -175,6 +175,7 @@ class StepPlan:
                 offsets=z((max_batch + 1,), np.int64), seed=z((max_batch,), np.int64),
                 num_valid_reqs=z((1,), np.int32), entry_offsets=z((max_batch + 1,), np.int64),
                 num_valid=z((1,), np.int32), enable=z((1,), np.int32))
+        p._reject_sink = _new_reject_sink(device)  # now: never allocate during a graph capture
         if materialize or device is None:  # the CPU backend always materialises
             p.slot, p.expected_token, p.expected_position, p.prev_slot = (
                 z((verify_capacity,), np.int64) for _ in range(4))
@@ -204,8 +205,12 @@ class StepPlan:
     @property
     def reject_sink(self):
         """The sink the plan builder reports rejected batch values to when no context is given
-        (a small ring of the plan's own, allocated on first use)."""
-        if self._reject_sink is None:
-            from .state import ViolationSink
-            self._reject_sink = ViolationSink.allocate(REJECT_RING_ROWS, device=self.device)
+        (a small ring of the plan's own)."""
+        if self._reject_sink is None:  # a plan built by hand
+            self._reject_sink = _new_reject_sink(self.device)
         return self._reject_sink
+
+
+def _new_reject_sink(device):
+    from .state import ViolationSink
+    return ViolationSink.allocate(REJECT_RING_ROWS, device=device)

@@ -205,7 +205,7 @@ def format_row(row: dict) -> str:
 def pytest_configure(config):
     """``--benchmark-json=perf/out/run.json`` works on a fresh clone: its directory is created."""
     path = config.getoption("benchmark_json", None)
-    if path:
+    if hasattr(path, "parent"):  # pytest-benchmark 5.3 passes a Path; 5.2 an open file (its folder exists)
         path.parent.mkdir(parents=True, exist_ok=True)
 
 

@@ -1,7 +1,7 @@
 """Issue 13: the narrow verify's block tile swept in one run (GPU; no targets: it says what to ship).
 
-The block-tiled verify (kernels_src/verify.cu) has two tuning constants in kvcanary/abi.py:
-``VERIFY_LANE_ENTRIES`` (entries per thread in a block tile, VT) and ``VERIFY_MIN_BLOCKS`` (its
+The warp-tiled verify (kernels_src/verify.cu) has two tuning constants in kvcanary/abi.py:
+``VERIFY_LANE_ENTRIES`` (entries per lane in a warp tile, VT) and ``VERIFY_MIN_BLOCKS`` (its
 launch bound: registers per thread, hence blocks per SM). Each combination is compiled here with
 NVRTC into a library of its own (verify.cu with ``KVC_TUNE_VT`` / ``KVC_TUNE_BLOCKS_PER_SM``
 defined) and launched with the params ops packed for the shipped fused verify on the grid ops
@@ -62,7 +62,8 @@ def test_verify_tile_shape(report, workloads, timer, bounds, mode, layout, vt, b
     lib, fn = variant(rt, vt, blocks)
     try:
         per_sm = check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(fn, abi.BLOCK_THREADS, 0), "occupancy")
-        grid = max(1, min(int(per_sm) * rt.sm_count, -(-plan.verify_capacity // (vt * abi.BLOCK_THREADS))))
+        tile = (32 * vt - 1) * (abi.BLOCK_THREADS // 32)  # entries a block of warp tiles verifies per round
+        grid = max(1, min(int(per_sm) * rt.sm_count, -(-plan.verify_capacity // tile)))
 
         def run(s):
             check(cu.cuLaunchKernel(fn, grid, 1, 1, abi.BLOCK_THREADS, 1, 1, 0, s, launch.address, 0),

@@ -257,7 +257,7 @@ def test_verify_kernel_follows_the_fingerprinted_bytes(fake, hash_mode, read_byt
     assert [v[0] for v in verifies] == ["kvc_fused_verify", tail_verify]  # HEAD never fingerprints
     assert verifies[0][2] == 256 and verifies[1][2] == block
     for fn, grid, bx in verifies:  # no block without a tile of a full plan (grid-stride covers any grid)
-        tile = bx if fn.endswith("_wide") else abi.VERIFY_LANE_ENTRIES * bx  # entries of a block tile
+        tile = (31 if fn.endswith("_wide") else 32 * abi.VERIFY_LANE_ENTRIES - 1) * (bx // 32)  # a block's warp tiles
         assert 1 <= grid <= -(-4096 // tile)
 
 
@@ -271,5 +271,5 @@ def test_verify_grid_is_one_resident_wave_at_most(fake, capacity, wide):
     for base in ("kvc_verify", "kvc_fused_verify"):
         name, grid, block = ops._verify_shape(rt, base, capacity, hash_bytes)
         assert name == (f"{base}_wide" if wide else base) and block == (128 if wide else 256)
-        tile = block if wide else abi.VERIFY_LANE_ENTRIES * block
+        tile = (31 if wide else 32 * abi.VERIFY_LANE_ENTRIES - 1) * (block // 32)
         assert grid == min(rt.sm_count * (2048 // block), -(-capacity // tile))  # fake occupancy: 2048 threads

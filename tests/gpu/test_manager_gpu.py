@@ -119,7 +119,7 @@ def test_session_replayed_from_cuda_graphs_equals_eager():
             for stage in ("HEAD", "TAIL"):
                 graphs[stage] = torch.cuda.CUDAGraph()
             with torch.cuda.stream(s):  # pack launches outside capture (no canary launch here)
-                g.canary._launches(batch, "HEAD"); g.canary._launches(batch, "TAIL")
+                g.canary._launches(batch, "HEAD", s.cuda_stream); g.canary._launches(batch, "TAIL", s.cuda_stream)
             torch.cuda.synchronize()
             snapshots = g.canary.pump.launches
             with torch.cuda.graph(graphs["HEAD"]):

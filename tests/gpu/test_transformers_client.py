@@ -8,8 +8,16 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 pytest.importorskip("torch")
+
+from kvcanary.adapters.transformers_layout import check_transformers_version  # noqa: E402
+from kvcanary.errors import ValidationError  # noqa: E402
+
+try:  # a machine with a transformers outside the supported range skips (the range check is tested on the CPU)
+    check_transformers_version(transformers.__version__)
+except ValidationError as exc:
+    pytest.skip(str(exc).splitlines()[0], allow_module_level=True)
 
 from tests.test_transformers_cpu import SCENARIOS  # noqa: E402
 
