@@ -35,20 +35,38 @@ template <int N>
 __device__ __forceinline__ void kvc_copy_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 #endif
 
-// Fingerprint of `slot` with few registers, for short strips (< KVC_WIDE_HASH_BYTES): the first
-// 16-byte piece of up to KVC_NARROW_SOURCES sources is loaded before any is folded, so a slot
-// fingerprinted over many layers waits for memory once per group of sources, not once per source.
-#define KVC_NARROW_SOURCES 8
+// Fingerprint of `slot`, one 16-byte load at a time: few registers, for short strips (< KVC_WIDE_HASH_BYTES)
+// of one or a few sources.
 template <class P>
 __device__ __forceinline__ uint64_t kvc_fingerprint_narrow(const P& p, long long slot) {
   uint64_t total = 0;
-  for (int i0 = 0; i0 < p.num_sources; i0 += KVC_NARROW_SOURCES) {
-    ulonglong2 first[KVC_NARROW_SOURCES];
+  for (int i = 0; i < p.num_sources; ++i) {
+    const ulonglong2* q = kvc_strip(p.sources[i], slot);
+    uint64_t h = 0;
+    for (int k = 0; k < p.sources[i].hash_bytes / KVC_STRIP_PIECE_BYTES; ++k) {
+      const ulonglong2 w = __ldg(q + k);
+      h = kvc_sm(h ^ w.x);
+      h = kvc_sm(h ^ w.y);
+    }
+    total = kvc_sm(total ^ h);
+  }
+  return total;
+}
+
+// The same over many sources (a layer each, KVC_MANY_SOURCES or more): the first 16-byte piece of
+// KVC_SOURCE_BATCH sources is loaded before any is folded, so a slot fingerprinted over every layer
+// waits for memory once per batch of sources, not once per source (more registers: the *_many
+// kernels run fewer blocks per SM).
+template <class P>
+__device__ __forceinline__ uint64_t kvc_fingerprint_many(const P& p, long long slot) {
+  uint64_t total = 0;
+  for (int i0 = 0; i0 < p.num_sources; i0 += KVC_SOURCE_BATCH) {
+    ulonglong2 first[KVC_SOURCE_BATCH];
 #pragma unroll
-    for (int k = 0; k < KVC_NARROW_SOURCES; ++k)
+    for (int k = 0; k < KVC_SOURCE_BATCH; ++k)
       first[k] = i0 + k < p.num_sources ? __ldg(kvc_strip(p.sources[i0 + k], slot)) : ulonglong2{0, 0};
 #pragma unroll
-    for (int k = 0; k < KVC_NARROW_SOURCES; ++k) {
+    for (int k = 0; k < KVC_SOURCE_BATCH; ++k) {
       if (i0 + k < p.num_sources) {
         const KvcSourceDesc& s = p.sources[i0 + k];
         uint64_t h = kvc_sm(kvc_sm(first[k].x) ^ first[k].y);  // h = 0 folded with the first piece

@@ -77,7 +77,11 @@ __device__ __forceinline__ T kvc_from_prev_entry(const T* x, int v) {
 // chain value is used instead of loading the record again. Predecessors follow the plan's
 // values (§8): -1 a chain head, 0 not checked, KVC_PREV_ON_PADDING not checked and reported.
 // Every lane of the warp must call it (shuffles).
-template <int VT, bool WIDE, class P>
+// How a verify kernel fingerprints: one source's strips per lane (narrow), many sources batched per
+// lane (many), or a warp's strips fetched together (wide).
+enum KvcFold { KVC_FOLD_NARROW, KVC_FOLD_MANY, KVC_FOLD_WIDE };
+
+template <int VT, int FOLD, class P>
 __device__ __forceinline__ void kvc_verify_tile(const P& p, const long long* slot, const long long* prev,
                                                 const long long* etok, const long long* epos, const bool* held,
                                                 const bool* live, const bool* nb_prev, bool check, KvcWideStage* stage) {
@@ -103,7 +107,8 @@ __device__ __forceinline__ void kvc_verify_tile(const P& p, const long long* slo
   uint64_t rkv[VT];
 #pragma unroll
   for (int v = 0; v < VT; ++v) {
-    if (WIDE) rkv[v] = kvc_fingerprint_warp(p, slot[v], own[v] && live[v], stage[threadIdx.x >> 5]);
+    if (FOLD == KVC_FOLD_WIDE) rkv[v] = kvc_fingerprint_warp(p, slot[v], own[v] && live[v], stage[threadIdx.x >> 5]);
+    else if (FOLD == KVC_FOLD_MANY) rkv[v] = own[v] && live[v] ? kvc_fingerprint_many(p, slot[v]) : 0;
     else rkv[v] = own[v] && live[v] ? kvc_fingerprint_narrow(p, slot[v]) : 0;
   }
   uint64_t succ[VT];  // the chain value a successor of this lane's slot expects
@@ -189,7 +194,7 @@ __device__ __forceinline__ KvcFusedReq kvc_fused_req(const B& b, int r) {
   return {q.ok ? b.req_to_token + q.row * b.rtt_row_stride : b.req_to_token, q.row, q.lo, q.n, b.entry_offsets[r]};
 }
 
-template <int VT, bool WIDE>
+template <int VT, int FOLD>
 __device__ __forceinline__ void kvc_verify_plan(const KvcVerifyParams& p, KvcWideStage* stage) {
   const long long active = kvc_verify_begin(p, p.plan_enable, p.plan_num_valid, p.plan_capacity);
   const bool check = p.check_expected_token != 0;
@@ -215,7 +220,7 @@ __device__ __forceinline__ void kvc_verify_plan(const KvcVerifyParams& p, KvcWid
       const long long nb = kvc_from_prev_entry<VT>(slot, v);
       nb_prev[v] = live[v] && first - 2 + v * 32 + lane >= 0 && nb == prev[v];
     }
-    kvc_verify_tile<VT, WIDE>(p, slot, prev, etok, epos, held, live, nb_prev, check, stage);
+    kvc_verify_tile<VT, FOLD>(p, slot, prev, etok, epos, held, live, nb_prev, check, stage);
   }
 }
 
@@ -231,7 +236,7 @@ __device__ __forceinline__ void kvc_check_entry_counts(const B& p) {
   }
 }
 
-template <int VT, bool WIDE>
+template <int VT, int FOLD>
 __device__ __forceinline__ void kvc_verify_fused(const KvcFusedVerifyParams& p, KvcWideStage* stage) {
   const long long active = kvc_verify_begin(p, p.verify_enable, p.verify_num_valid, p.verify_capacity);
   if (active < 0) return;  // disabled: the same in every thread
@@ -286,29 +291,39 @@ __device__ __forceinline__ void kvc_verify_fused(const KvcFusedVerifyParams& p, 
       if (prev[v] == KVC_PREV_ON_PADDING) prev[v] = KVC_SWA_UNMAPPED;  // a map value colliding with the marker
       if (inner[v] && prev[v] == KVC_PADDING_SLOT) prev[v] = KVC_PREV_ON_PADDING;
     }
-    kvc_verify_tile<VT, WIDE>(p, slot, prev, etok, epos, held, live, inner, check, stage);
+    kvc_verify_tile<VT, FOLD>(p, slot, prev, etok, epos, held, live, inner, check, stage);
   }
   kvc_warp_count(p.skip_counter, skipped);
 }
 
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_VERIFY_BLOCKS_PER_SM)
 kvc_verify(const __grid_constant__ KvcVerifyParams p) {
-  kvc_verify_plan<KVC_VT, false>(p, nullptr);
+  kvc_verify_plan<KVC_VT, KVC_FOLD_NARROW>(p, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_MANY_VERIFY_MIN_BLOCKS)
+kvc_verify_many(const __grid_constant__ KvcVerifyParams p) {
+  kvc_verify_plan<KVC_VT, KVC_FOLD_MANY>(p, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(KVC_WIDE_VERIFY_THREADS)
 kvc_verify_wide(const __grid_constant__ KvcVerifyParams p) {
   __shared__ KvcWideStage stage[KVC_WIDE_VERIFY_THREADS / 32];
-  kvc_verify_plan<1, true>(p, stage);
+  kvc_verify_plan<1, KVC_FOLD_WIDE>(p, stage);
 }
 
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_VERIFY_BLOCKS_PER_SM)
 kvc_fused_verify(const __grid_constant__ KvcFusedVerifyParams p) {
-  kvc_verify_fused<KVC_VT, false>(p, nullptr);
+  kvc_verify_fused<KVC_VT, KVC_FOLD_NARROW>(p, nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_MANY_VERIFY_MIN_BLOCKS)
+kvc_fused_verify_many(const __grid_constant__ KvcFusedVerifyParams p) {
+  kvc_verify_fused<KVC_VT, KVC_FOLD_MANY>(p, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(KVC_WIDE_VERIFY_THREADS)
 kvc_fused_verify_wide(const __grid_constant__ KvcFusedVerifyParams p) {
   __shared__ KvcWideStage stage[KVC_WIDE_VERIFY_THREADS / 32];
-  kvc_verify_fused<1, true>(p, stage);
+  kvc_verify_fused<1, KVC_FOLD_WIDE>(p, stage);
 }

@@ -53,6 +53,9 @@ PREPARE_THREADS = 1024       # the one block of kvc_prepare
 WIDE_VERIFY_THREADS = 128    # blocks of the warp-cooperative *_wide verify kernels
 VERIFY_LANE_ENTRIES = 2      # entries per lane in a warp tile of the narrow verify kernels
 VERIFY_MIN_BLOCKS = 4        # blocks per SM the narrow verify kernels are compiled for (64 registers)
+MANY_SOURCES = 4             # sources (short strips) from which the *_many verifies batch their loads
+SOURCE_BATCH = 8             # sources whose first pieces a *_many verify loads before folding any
+MANY_VERIFY_MIN_BLOCKS = 2   # blocks per SM the *_many verifies are compiled for (the batch's registers)
 WIDE_HASH_BYTES = 64         # a source fingerprinting this many bytes per slot selects the *_wide verifies
 STRIP_PIECE_BYTES = 16       # fingerprints load strips in 16-byte pieces (hash_bytes is a multiple)
 NO_EXPECTED_TOKEN = -1
@@ -322,8 +325,10 @@ ECHO_BYTES = 4096  # size of the device echo buffer of the ABI probe
 KERNELS: dict[str, str] = {
     "kvc_verify": VERIFY_PARAMS.name,
     "kvc_verify_wide": VERIFY_PARAMS.name,              # fingerprints of >= WIDE_HASH_BYTES
+    "kvc_verify_many": VERIFY_PARAMS.name,              # short strips of >= MANY_SOURCES sources
     "kvc_fused_verify": FUSED_VERIFY_PARAMS.name,
     "kvc_fused_verify_wide": FUSED_VERIFY_PARAMS.name,
+    "kvc_fused_verify_many": FUSED_VERIFY_PARAMS.name,
     "kvc_write": WRITE_PARAMS.name,
     "kvc_prepare": PREPARE_PARAMS.name,
     "kvc_expand": EXPAND_PARAMS.name,
@@ -408,7 +413,8 @@ def constants() -> dict[str, int]:
         "KVC_REAL_KV_ALIGN": REAL_KV_ALIGN, "KVC_ECHO_BYTES": ECHO_BYTES,
         "KVC_BLOCK_THREADS": BLOCK_THREADS, "KVC_PREPARE_THREADS": PREPARE_THREADS,
         "KVC_WIDE_VERIFY_THREADS": WIDE_VERIFY_THREADS, "KVC_VERIFY_LANE_ENTRIES": VERIFY_LANE_ENTRIES,
-        "KVC_VERIFY_MIN_BLOCKS": VERIFY_MIN_BLOCKS,
+        "KVC_VERIFY_MIN_BLOCKS": VERIFY_MIN_BLOCKS, "KVC_MANY_SOURCES": MANY_SOURCES,
+        "KVC_SOURCE_BATCH": SOURCE_BATCH, "KVC_MANY_VERIFY_MIN_BLOCKS": MANY_VERIFY_MIN_BLOCKS,
         "KVC_WIDE_HASH_BYTES": WIDE_HASH_BYTES, "KVC_STRIP_PIECE_BYTES": STRIP_PIECE_BYTES,
         "KVC_SWA_UNMAPPED": SWA_UNMAPPED, "KVC_PREV_ON_PADDING": PREV_ON_PADDING,
         "KVC_SEED_INVALID": SEED_INVALID, "KVC_INT32_MASK": INT32_MASK,

@@ -163,6 +163,7 @@ class KvCanary:
         self._last = None  # (newest snapshot processed, its meta)
         self._packed = {st: OrderedDict() for st in STAGES}  # layout key -> launches, per stage
         self._hot = {st: None for st in STAGES}  # (the last step's field objects, their entry)
+        self._keyed = None  # (field objects, layout key, addresses) last computed, for the other stage
         self._stage_launches = 0
         self._skipped = 0
         first = {g: next(i for i, k in enumerate(self.keys) if k.group == g) for g in self.groups}
@@ -213,10 +214,15 @@ class KvCanary:
         hot = self._hot[stage]
         if hot is not None and all(map(is_, fields, hot[0])):  # the very arrays of the last step
             return hot[1].launches
-        keys = [layout_key(v) for v in fields]
-        ptrs = tuple(p for _, p in keys)
-        first = {}
-        key = (tuple(k for k, _ in keys), tuple(first.setdefault(p, i) if p else -1 for i, p in enumerate(ptrs)))
+        keyed = self._keyed
+        if keyed is not None and all(map(is_, fields, keyed[0])):  # TAIL of the batch HEAD just keyed
+            key, ptrs = keyed[1], keyed[2]
+        else:
+            keys = [layout_key(v) for v in fields]
+            ptrs = tuple(p for _, p in keys)
+            first = {}
+            key = (tuple(k for k, _ in keys), tuple(first.setdefault(p, i) if p else -1 for i, p in enumerate(ptrs)))
+            self._keyed = (fields, key, ptrs)
         cache = self._packed[stage]
         entry = cache.get(key)
         if entry is None:

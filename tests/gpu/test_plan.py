@@ -198,6 +198,7 @@ def stamped_engine(seed, *, mode, stride, sources, swa, bs=300, lengths=(0, 0, 1
     (32, abi.HashMode.ALL, 32, [(1, 1024, 1024)], False),                  # the wide kernels
     (33, abi.HashMode.ALL, 40, [(16, 208, 208), (1, 48, 48)], True),       # wide, odd strips
     (34, abi.HashMode.ALL, 32, [(4, 48, 48)], False),                      # narrow ALL
+    (35, abi.HashMode.PARTIAL, 32, [(1, 64, 64)] * 6 + [(16, 32, 32)] * 3, True),  # the *_many kernels
 ])
 def test_tiled_verify_kernels_equal_reference_on_stamped_state(seed, mode, stride, sources, swa, engine=None):
     canary, pools, srcs, batch, kw = engine or stamped_engine(seed, mode=mode, stride=stride, sources=sources, swa=swa)
