@@ -8,7 +8,8 @@ and then polls the asynchronous pump. ``sweep`` scrubs idle cached slots against
 launches are capturable in a CUDA graph (see README: what must stay static).
 
 Threads: every public method holds the canary's lock, so one KvCanary may be driven from several
-threads (its steps are serialised; nothing is lost or counted twice).
+threads (nothing is lost or counted twice); a thread holds :attr:`KvCanary.lock` around each whole
+step, whose two stages share one plan.
 """
 
 from __future__ import annotations
@@ -169,6 +170,13 @@ class KvCanary:
         self._tokens_ctx = self.keys.index(Key("TAIL", "FULL", full.resolved_halves()[0], "write"))
         self._verifies = np.array([i for i, k in enumerate(self.keys) if k.op == "verify"], np.intp)
         self._head_ctx = {g: self.ctx[self.keys[i]] for g, i in first.items()}
+
+    @property
+    def lock(self) -> threading.RLock:
+        """The canary's re-entrant lock, which every public method takes. Threads that step one
+        canary hold it around each whole step (``before_forward`` .. ``after_forward``): the two
+        stages of a batch share the step's plan, so another thread's step must not come between."""
+        return self._lock
 
     # ---- step API --------------------------------------------------------------------------------
     def before_forward(self, batch: Batch, stream=None) -> None:
