@@ -283,6 +283,12 @@ row("step.report.swa-map-out-of-range", Report("slot_out_of_range", "verify_posi
 row("step.swa-loc-missing", ERR, lambda: step(canary(swa=group(window=2, full_to_swa=np.arange(N, dtype=np.int64))),
                                               prefill()))
 
+rows("step.Batch.views.swa_map", lambda v: prefill().views(swa_map=v),
+     [("list", [0] * N, TYPE), ("int32", np.arange(N, dtype=np.int32), TYPE), ("ok", np.arange(N, dtype=np.int64), OK)])
+rows("step.Batch.check_window", kc.Batch.check_window, [("'x'", "x", TYPE), ("-2", -2, ERR), ("3", 3, OK)])
+row("step.Batch.fields-all-None", TYPE, lambda: prefill_step(req_pool_indices=None, prefix_lens=None, extend_lens=None,
+                                                              req_to_token=None))
+
 # ---- other KvCanary methods --------------------------------------------------------------------------------
 rows("KvCanary.add_listener", lambda v: canary().add_listener(v),
      [("None", None, TYPE), ("'f'", "f", TYPE), ("callable", print, OK)])
@@ -292,6 +298,8 @@ rows("KvCanary.record_replay", lambda v: canary().record_replay(v),
 row("KvCanary.poll(stream=None)", OK, lambda: canary().poll())
 row("KvCanary.health_check", OK, lambda: prefill_step().health_check())
 row("KvCanary.stats", OK, lambda: prefill_step().stats())
+row("KvCanary.buffers", OK, lambda: prefill_step().buffers())
+row("state.CanaryBuffer.host_words", OK, lambda: kc.CanaryBuffer.allocate(8).host_words())
 
 # ---- sweep / sweep_chains -----------------------------------------------------------------------------------
 for label, args, expected in [

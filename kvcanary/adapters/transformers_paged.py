@@ -98,6 +98,7 @@ class TransformersCanary:
 
     def __init__(self, model, *, layers=None, hash_mode: str = "partial", mode: str = "log",
                  check_inputs: bool = True, before_step=None, after_step=None, **kvcanary_kwargs):
+        self.transformers_version = check_transformers_version(_installed_transformers())
         if not callable(getattr(model, "init_continuous_batching", None)):
             fail("TransformersCanary(model)", "a transformers model with init_continuous_batching", model,
                  "pass the PreTrainedModel you call generate_batch on", kind=ValidationTypeError)
@@ -108,7 +109,6 @@ class TransformersCanary:
         callable_or_none("before_step", before_step)
         callable_or_none("after_step", after_step)
         canary_kwargs(kvcanary_kwargs, "TransformersCanary", ("device", "hash_mode", "mode", "max_batch", "export"))
-        self.transformers_version = check_transformers_version(_installed_transformers())
         self.model, self.layers, self.hash_mode, self.mode = model, layers, hash_mode, mode
         self.check_inputs, self.before_step, self.after_step = check_inputs, before_step, after_step
         self.kvcanary_kwargs = kvcanary_kwargs
