@@ -133,7 +133,7 @@ def check_batch_values(v: dict[str, ArrayView], batch: "Batch", *, swa: bool) ->
     for i in np.flatnonzero(ext > T)[:1]:  # before the sum, which could wrap past int64
         _reject(BatchField.TOKENS_SHORT, "batch.out_cache_loc", None, f"at least extend_lens[{i}] = {int(ext[i])} "
                 f"entries long", f"{T} entries", "pass one entry per new token of every request (request order)",
-                value=min(int(ext[i]), (1 << 63) - 1), bound=T)
+                value=ext[i], bound=T)
     need = int(ext.sum())
     if need > T:
         _reject(BatchField.TOKENS_SHORT, "batch.out_cache_loc", None, f"at least sum(extend_lens) = {need} entries "
