@@ -138,17 +138,35 @@ class ArrayView:
                 f"device={dev}")
 
 
+def _ints(name: str, what: str, values) -> tuple[int, ...]:
+    """``values`` as a tuple of Python ints (a sequence of ints: numpy ints pass, floats do not)."""
+    try:
+        return tuple(operator.index(n) for n in values)
+    except TypeError:
+        _fail(ValidationTypeError, name, f"{what} as a sequence of ints", repr(values),
+              "describe the array with integer extents and byte strides")
+
+
 def _finish(name, ptr, shape, strides, dtype, dtype_name, device, readonly, owner, stream=None,
             host=None) -> ArrayView:
-    shape = tuple(operator.index(n) for n in shape)
-    strides = tuple(operator.index(s) for s in strides)
-    ptr = operator.index(ptr or 0)
+    shape, strides = _ints(name, "a shape", shape), _ints(name, "strides", strides)
+    if isinstance(ptr, (bool, np.bool_)) or not isinstance(ptr, (int, np.integer, type(None))):
+        _fail(ValidationTypeError, name, "a data pointer (an int address)", repr(ptr), "pass the address as an int")
+    ptr = int(ptr or 0)
     if len(strides) != len(shape) or any(n < 0 for n in shape):
         _fail(ValidationError, name, "one stride per dimension and non-negative extents",
               f"shape={shape}, strides={strides}", "describe the array correctly")
+    if not 0 <= ptr < 1 << 64:
+        _fail(ValidationError, name, "a data pointer in [0, 2**64)", hex(ptr), "pass the allocation's address")
     if ptr == 0 and math.prod(shape) > 0:
         _fail(ValidationError, name, "a non-NULL data pointer", f"NULL with shape {shape}",
               "pass an allocated array")
+    if math.prod(shape) > 0:
+        ext = [(n - 1) * s for n, s in zip(shape, strides)]
+        low, high = ptr + sum(e for e in ext if e < 0), ptr + sum(e for e in ext if e > 0) + dtype.itemsize
+        if low < 0 or high > 1 << 63:
+            _fail(ValidationError, name, "an array inside the address space", f"bytes [{low:#x}, {high:#x}) for "
+                  f"shape {shape}, strides {strides}", "check the shape, the strides and the pointer")
     if device is None and host is None:
         host = dlpack.ndarray_at(ptr, shape, strides, dtype, readonly=readonly, owner=owner)
     return ArrayView(ptr, shape, strides, dtype, dtype_name, device, bool(readonly), owner,
@@ -160,12 +178,21 @@ def from_pointer(ptr: int, shape, dtype, *, device: int | None, strides=None,
     """Describe raw memory. ``strides`` in bytes (None = C-contiguous); ``device`` None = host
     (a zero-copy ``host`` array is built; the caller keeps the memory alive through ``owner``)."""
     dt, dt_name = resolve_dtype(dtype)
-    shape = tuple(shape)
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        _fail(ValidationTypeError, "from_pointer(shape=)", "a tuple of ints", repr(shape), "pass e.g. shape=(4,)")
+    shape = _ints("from_pointer(shape=)", "a shape", shape)
+    if strides is not None and (isinstance(strides, (str, bytes)) or not hasattr(strides, "__iter__")):
+        _fail(ValidationTypeError, "from_pointer(strides=)", "None or a tuple of byte strides", repr(strides),
+              "pass e.g. strides=(8,) or None (C-contiguous)")
     strides = c_strides(shape, dt.itemsize) if strides is None else tuple(strides)
-    if device is not None and (not isinstance(device, int) or device < -1):
+    if device is not None and (isinstance(device, (bool, np.bool_)) or not isinstance(device, (int, np.integer))):
+        _fail(ValidationTypeError, "from_pointer(device=)", "None (host), a CUDA ordinal or -1 (ordinal unknown)",
+              repr(device), "pass the device ordinal the memory lives on as an int")
+    if device is not None and device < -1:
         _fail(ValidationError, "from_pointer(device=)", "None (host), a CUDA ordinal or -1 "
               "(ordinal unknown)", repr(device), "pass the device ordinal the memory lives on")
-    return _finish("from_pointer", ptr, shape, strides, dt, dt_name, device, readonly, owner)
+    return _finish("from_pointer", ptr, shape, strides, dt, dt_name, None if device is None else int(device),
+                   readonly, owner)
 
 
 def _is_torch_like(obj) -> bool:
@@ -228,15 +255,19 @@ def _cuda_ordinal(obj) -> int:
 def _from_cai(obj, name) -> ArrayView:
     try:
         cai = obj.__cuda_array_interface__
-    except Exception as exc:  # noqa: BLE001 - torch raises TypeError for bf16, for example
-        _fail(ValidationTypeError, name, "a readable __cuda_array_interface__",
-              f"{type(exc).__name__}: {exc}", "pass it through DLPack or viewed as uint8")
+        ptr, readonly = cai["data"]
+        shape, typestr = cai["shape"], cai["typestr"]
+        strides, version = cai.get("strides"), cai.get("version", 0)
+    except Exception as exc:  # noqa: BLE001 - torch raises TypeError for bf16; a malformed dict, KeyError
+        _fail(ValidationTypeError, name, "a readable __cuda_array_interface__ (a dict with data=(ptr, readonly), "
+              "shape, typestr)", f"{type(exc).__name__}: {exc}", "pass it through DLPack or viewed as uint8")
     if cai.get("mask") is not None:
         _fail(ValidationError, name, "an unmasked array", "a __cuda_array_interface__ with a "
               "mask (unsupported)", "pass the unmasked data")
-    ptr, readonly = cai["data"]
-    shape = tuple(cai["shape"])
-    dtype, dtype_name = resolve_dtype(cai["typestr"])
+    if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
+        _fail(ValidationTypeError, name, "a __cuda_array_interface__ shape tuple", repr(shape), "fix the producer")
+    shape = _ints(name, "a shape", shape)
+    dtype, dtype_name = resolve_dtype(typestr)
     hint = getattr(getattr(obj, "dtype", None), "name", None) if dtype_name.startswith("void") else None
     if hint:  # an opaque typestr ("<V2"): the producer's dtype name may say what it is
         try:
@@ -245,9 +276,8 @@ def _from_cai(obj, name) -> ArrayView:
                 dtype, dtype_name = hinted
         except ValidationTypeError:
             pass
-    strides = cai.get("strides")
-    strides = c_strides(shape, dtype.itemsize) if strides is None else tuple(strides)
-    stream = cai.get("stream") if cai.get("version", 0) >= 3 else None
+    strides = c_strides(shape, dtype.itemsize) if strides is None else strides
+    stream = cai.get("stream") if isinstance(version, int) and version >= 3 else None
     if stream is not None and (not isinstance(stream, int) or stream == 0):
         _fail(ValidationError, f"{name}.__cuda_array_interface__['stream']", "None or a stream "
               "handle (1 = legacy default, 2 = per-thread default)", f"{stream!r} (CAI v3 "
@@ -260,15 +290,15 @@ def _from_dlpack(obj, name, stream) -> ArrayView:
     producer = None
     if not dlpack.is_capsule(obj):
         producer, kwargs = obj, {}
-        device = obj.__dlpack_device__() if hasattr(obj, "__dlpack_device__") else None
-        if stream is not None and device and device[0] in dlpack.CUDA_DEVICE_TYPES:
-            kwargs["stream"] = stream
         try:
+            device = obj.__dlpack_device__() if hasattr(obj, "__dlpack_device__") else None
+            if stream is not None and device and device[0] in dlpack.CUDA_DEVICE_TYPES:
+                kwargs["stream"] = stream
             try:
                 obj = producer.__dlpack__(max_version=(1, 1), **kwargs)
             except TypeError:
                 obj = producer.__dlpack__(**kwargs)
-        except (BufferError, RuntimeError, ValueError, TypeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever the producer raises is its refusal to export
             _fail(ValidationTypeError, name, "an array that exports through __dlpack__",
                   f"{type(exc).__name__}: {exc}", "pass it viewed as uint8, or via another kind")
     t = dlpack.import_capsule(obj, producer)

@@ -6,7 +6,8 @@ backend. ``--jobs`` (default ``auto``: one worker process per usable CPU on the 
 on the GPU) runs the independent injections, and that many clean runs sharing the clean-run slot
 count, in spawned worker processes. ``--out DIR`` also writes ``campaign.json`` and, with
 matplotlib installed, ``campaign.png``. Bad flags raise :class:`~kvcanary.errors.ValidationError`
-(the command line prints it as one line and exits 2).
+(the command line prints it as one line and exits 2: :class:`Parser` does the same for what argparse
+itself refuses, a flag it does not know or a value that is not a number).
 """
 
 from __future__ import annotations
@@ -15,28 +16,65 @@ import argparse
 import os
 import sys
 
-from .errors import NoCudaDriverError, ValidationError
+from .errors import NoCudaDriverError, ValidationError, ValidationTypeError
 
 EVERY = "every"  # --modes / --classes: every hash mode / every class
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse whose errors are one ``kv-canary:`` line on stderr (exit code 2, no usage block)."""
+
+    def error(self, message: str):
+        if "kv-canary:" in message:  # a flag's own type check (see _integer / _one_of)
+            text = message[message.index("kv-canary:"):]
+        else:
+            text = (f"kv-canary: {self.prog} needs valid arguments, got: {message}. Fix: run "
+                    f"`{self.prog} --help` for the commands and flags")
+        self.exit(2, f"{self.prog}: error: {text}\n")
+
+
+def _integer(flag: str, example: str, lo: int | None = None):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = None
+        if value is None or (lo is not None and value < lo):
+            want = "an integer" + ("" if lo is None else f" >= {lo}")
+            raise argparse.ArgumentTypeError(f"kv-canary: {flag} must be {want}, got {text!r}. Fix: e.g. "
+                                             f"{flag} {example}")
+        return value
+    return parse
+
+
+def _one_of(flag: str, options: tuple[str, ...]):
+    def parse(text: str) -> str:
+        if text.lower() not in options:
+            raise argparse.ArgumentTypeError(f"kv-canary: {flag} must be one of {', '.join(options)}, got {text!r}. "
+                                             f"Fix: e.g. {flag} {options[0]}")
+        return text.lower()
+    return parse
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--injections", type=int, default=5, metavar="N",
+    p.add_argument("--injections", type=_integer("--injections", "5"), default=5, metavar="N",
                    help="seeded injections per class x mode, >= 1 (default 5)")
     p.add_argument("--classes", default=EVERY,
                    help="comma-separated fault classes, e.g. K1,K5,K12 (default every: K1..K13)")
     p.add_argument("--modes", default=EVERY,
                    help="comma-separated hash modes: none, partial, all (all = hash mode ALL alone); "
                         "default every = none,partial,all")
-    p.add_argument("--backend", choices=("auto", "cpu", "gpu"), default="auto",
-                   help="gpu if a CUDA device answers, else the CPU reference (default auto)")
+    p.add_argument("--backend", type=_one_of("--backend", ("auto", "cpu", "gpu")), default="auto",
+                   metavar="{auto,cpu,gpu}", help="gpu if a CUDA device answers, else the CPU reference (default auto)")
     p.add_argument("--out", default=None, metavar="DIR", help="also write campaign.json (and campaign.png)")
-    p.add_argument("--clean-slots", type=int, default=1_000_000, metavar="N",
+    p.add_argument("--clean-slots", type=_integer("--clean-slots", "1000000"), default=1_000_000, metavar="N",
                    help="verified slots of the clean run that counts false positives (0: skip it)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--report", choices=("log", "raise"), default="log",
+    p.add_argument("--seed", type=_integer("--seed", "0", lo=0), default=0, metavar="N",
+                   help="seed of the injections and workloads, >= 0 (default 0)")
+    p.add_argument("--report", type=_one_of("--report", ("log", "raise")), default="log", metavar="{log,raise}",
                    help="how violations reach the campaign: export callback or CanaryViolationError")
-    p.add_argument("--progress", choices=("auto", "on", "off"), default="auto")
+    p.add_argument("--progress", type=_one_of("--progress", ("auto", "on", "off")), default="auto",
+                   metavar="{auto,on,off}")
     p.add_argument("--jobs", default="auto", metavar="N",
                    help="worker processes for the injections and the clean run: auto (default: one per "
                         "usable CPU on the CPU backend, none on the GPU), 0 (one per usable CPU), "
@@ -76,6 +114,19 @@ def parse_list(text: str, allowed: tuple[str, ...], flag: str, example: str) -> 
     return list(dict.fromkeys(canon[w.lower()] for w in words))
 
 
+def check_out_dir(path: str) -> None:
+    """``--out``: a folder that exists (it is created) and can be written, checked before any work."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        writable = os.access(path, os.W_OK | os.X_OK)
+        reason = "not writable"
+    except OSError as exc:
+        writable, reason = False, f"{type(exc).__name__}: {exc.strerror or exc}"
+    if not writable:
+        raise ValidationError(f"kv-canary: --out must be a folder the demo can write, got {path!r} ({reason}). "
+                              f"Fix: pass a writable folder, e.g. --out results")
+
+
 def run(args: argparse.Namespace, out=sys.stdout) -> int:
     """Run the campaign and the clean run; 0 when every exercised covered injection was caught
     and the clean run reported nothing, 1 otherwise. Bad flags raise ValidationError before any
@@ -88,6 +139,8 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     if args.clean_slots < 0:
         raise ValidationError(f"kv-canary: --clean-slots must be >= 0, got {args.clean_slots}. Fix: a slot "
                               f"count such as 1000000, or --clean-slots 0 to skip the clean run")
+    if args.out:
+        check_out_dir(args.out)
     backend = pick_backend(args.backend)
     jobs = campaign.resolve_jobs(args.jobs, backend)
     progress = report.Progress(None if args.progress == "auto" else args.progress == "on")
@@ -116,16 +169,22 @@ def run_cli(args: argparse.Namespace, prog: str) -> int:
     line on stderr and returns 2 instead of a traceback."""
     try:
         return run(args)
-    except (ValidationError, NoCudaDriverError) as exc:
+    except (ValidationError, ValidationTypeError, NoCudaDriverError) as exc:
         print(f"{prog}: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
 
 
 def main(argv: list[str] | None = None) -> int:
     prog = "python -m kvcanary.demo"
-    p = argparse.ArgumentParser(prog=prog, description=__doc__)
+    p = Parser(prog=prog, description=__doc__)
     add_arguments(p)
-    return run_cli(p.parse_args(argv), prog)
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as exc:  # a bad flag, printed as one kv-canary line
+        if exc.code == 2:
+            return 2
+        raise
+    return run_cli(args, prog)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import abi
-from .errors import CanaryViolationError, KvCanaryError, ValidationError
+from .errors import CanaryViolationError, KvCanaryError, ValidationError, ValidationTypeError
+from .validate import callable_or_none, choice, integer, is_int, optional_integer
 from .violations import Violation
 
 log = logging.getLogger("kvcanary.distributed")
@@ -169,13 +170,23 @@ class TensorParallelAggregator:
     def __init__(self, canary, group=None, *, rank: int | None = None, world_size: int | None = None,
                  mode: str = "log", lag: int = 1, rows_per_step: int = 4, stale_steps: int = 2,
                  export=None, max_backlog: int = 4096):
-        if mode not in ("log", "raise"):
-            raise ValidationError(f"kv-canary: TensorParallelAggregator mode must be 'log' or 'raise', got "
-                                  f"{mode!r}. Fix: mode='log' (warn on every rank) or mode='raise'")
-        if lag not in (0, 1) or rows_per_step < 1 or stale_steps < 1 or max_backlog < 1:
-            raise ValidationError(f"kv-canary: TensorParallelAggregator expected lag in (0, 1), rows_per_step, "
-                                  f"stale_steps and max_backlog >= 1, got lag={lag}, rows_per_step={rows_per_step}, "
-                                  f"stale_steps={stale_steps}, max_backlog={max_backlog}. Fix: pass values in range")
+        if not callable(getattr(canary, "add_listener", None)):
+            raise ValidationTypeError(f"kv-canary: TensorParallelAggregator needs this rank's KvCanary, got "
+                                      f"{type(canary).__name__}. Fix: TensorParallelAggregator(canary, group=...)")
+        if not isinstance(mode, str) or mode.lower() not in ("log", "raise"):
+            kind = ValidationError if isinstance(mode, str) else ValidationTypeError
+            raise kind(f"kv-canary: TensorParallelAggregator mode must be 'log' or 'raise', got "
+                       f"{mode!r}. Fix: mode='log' (warn on every rank) or mode='raise'")
+        mode = choice("mode", mode, ("log", "raise"))
+        if not is_int(lag) or lag not in (0, 1):
+            raise (ValidationError if is_int(lag) else ValidationTypeError)(
+                f"kv-canary: TensorParallelAggregator lag must be 0 or 1, got lag={lag!r}. Fix: lag=1 (consume each "
+                f"gather one exchange later) or lag=0 (wait for it)")
+        for name, value in (("rows_per_step", rows_per_step), ("stale_steps", stale_steps), ("max_backlog", max_backlog)):
+            integer(name, value, lo=1, fix=f"pass a count >= 1 (the default is fine: leave {name} out)")
+        optional_integer("rank", rank, lo=0, fix="leave rank out (the process group's is used)")
+        optional_integer("world_size", world_size, lo=1, fix="leave world_size out (the process group's is used)")
+        callable_or_none("export", export, "pass a function taking one dict, or leave export out")
         if getattr(canary, "mode", "log") == "raise":
             raise ValidationError("kv-canary: TensorParallelAggregator expected its canary in mode 'log', got "
                                   "mode 'raise' (a rank raising alone would leave the other ranks waiting in "

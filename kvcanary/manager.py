@@ -8,7 +8,8 @@ and then polls the asynchronous pump. ``sweep`` scrubs idle cached slots against
 launches are capturable in a CUDA graph (see README: what must stay static).
 
 Threads: every public method holds the canary's lock, so one KvCanary may be driven from several
-threads (its steps are serialised; nothing is lost or counted twice).
+threads (nothing is lost or counted twice); a thread holds :attr:`KvCanary.lock` around each whole
+step, whose two stages share one plan.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ import numpy as np
 
 from . import abi, backends, ops
 from .arrays import layout_key
-from .errors import KvCanaryError, ValidationError
-from .plan import Batch, StepPlan
+from .errors import KvCanaryError, ValidationError, ValidationTypeError
+from .plan import MAX_BATCH_LIMIT, Batch, StepPlan
 from .reporting import Reporter, RingLedger
-from .sources import RealKvSource
-from .state import CanaryBuffer, VerifyContext, ViolationSink
-from .validate import boolean, hash_mode as parse_hash_mode, integer
+from .sources import RealKvSource, source_list
+from .state import RING_CAPACITY_LIMIT, CanaryBuffer, VerifyContext, ViolationSink, checked
+from .validate import INT32_MAX, boolean, device as check_device, fail, hash_mode as parse_hash_mode, instance, integer
 from .violations import decode_ring
 
 STAGES = ("HEAD", "TAIL")
@@ -52,15 +53,32 @@ class PoolGroup:
     def __post_init__(self):
         integer("PoolGroup.num_slots", self.num_slots, lo=1, hi=1 << 40, fix="pass the pool's slot count")
         integer("PoolGroup.window", self.window, lo=0, hi=(1 << 31) - 1, fix="pass 0 or the window in tokens")
+        self.k_sources = source_list(self.k_sources, "PoolGroup.k_sources")
+        self.v_sources = source_list(self.v_sources, "PoolGroup.v_sources")
+        h = self.halves
+        if h is not None and (not isinstance(h, (str, tuple, list)) or not all(isinstance(x, str) for x in h)):
+            fail("PoolGroup.halves", "None, 'K', 'V' or a tuple of them", h, "pass halves=('K', 'V') or ('K',)",
+                 kind=ValidationTypeError)
         halves = self.resolved_halves()
         if not halves or len(set(halves)) != len(halves) or not set(halves) <= {"K", "V"}:
             raise ValidationError(f"kv-canary: PoolGroup.halves must be ('K',), ('V',) or ('K', 'V'), got "
                                   f"{self.halves!r}. Fix: name each half of the pool once")
+        for half, given in (("K", self.k_sources), ("V", self.v_sources)):
+            if given and half not in halves:
+                raise ValidationError(f"kv-canary: PoolGroup.{half.lower()}_sources must be empty when halves "
+                                      f"{halves} has no {half}, got {len(given)} source(s). Fix: add {half!r} to "
+                                      f"halves, or drop the sources")
 
     def resolved_halves(self) -> tuple[str, ...]:
         if self.halves is not None:
             return tuple(self.halves) if isinstance(self.halves, (tuple, list)) else (self.halves,)
         return ("K",) if self.k_sources and not self.v_sources else ("K", "V")
+
+
+def _need_batch(batch, where: str) -> None:
+    if not isinstance(batch, Batch):
+        fail(f"{where}(batch)", "a kvcanary.Batch", batch, "build one with kvcanary.Batch(...) or an adapter "
+             "(kvcanary.adapters.sglang_batch / vllm_batch)", kind=ValidationTypeError)
 
 
 class Key(NamedTuple):
@@ -104,15 +122,22 @@ class KvCanary:
                  export=None):
         mode_hash = parse_hash_mode(hash_mode)
         for name, g in (("full", full), ("swa", swa)):
-            if g is not None and not isinstance(g, PoolGroup):
-                raise ValidationError(f"kv-canary: KvCanary {name} must be a PoolGroup, got {type(g).__name__}. "
-                                      f"Fix: PoolGroup(num_slots, k_sources=..., v_sources=...)")
+            if g is not None or name == "full":
+                instance(f"KvCanary {name}", g, PoolGroup, "a kvcanary.PoolGroup",
+                         "PoolGroup(num_slots, k_sources=..., v_sources=...)")
+        if full.window:
+            raise ValidationError(f"kv-canary: the full-attention group's window must be 0, got {full.window}. "
+                                  f"Fix: give window= (and full_to_swa=) to the SWA group, the second argument")
         if swa is not None and swa.full_to_swa is None:
             raise ValidationError("kv-canary: the SWA group needs full_to_swa (an int64 map of full-pool "
                                   "slots to SWA slots), got None. Fix: PoolGroup(..., window=W, full_to_swa=map)")
-        if device is not None:
-            integer("device", device, lo=0, fix="pass None (host arrays) or a CUDA ordinal such as 0")
-        integer("ring_capacity", ring_capacity, lo=1, hi=1 << 24)
+        if swa is not None:
+            checked(swa.full_to_swa, "swa.full_to_swa", dtype=np.int64, ndim=1)
+        check_device("device", device)
+        integer("ring_capacity", ring_capacity, lo=1, hi=RING_CAPACITY_LIMIT)
+        integer("max_batch", max_batch, lo=1, hi=MAX_BATCH_LIMIT)
+        integer("verify_capacity", verify_capacity, lo=1, hi=INT32_MAX)
+        integer("sweep_capacity", sweep_capacity, lo=1, hi=INT32_MAX)
         integer("stats_every", stats_every, lo=0)
         self.check_expected_token = boolean("check_expected_token", check_expected_token)
         self.fused, self.stats_every = boolean("fused", fused), stats_every
@@ -171,15 +196,24 @@ class KvCanary:
         self._verifies = np.array([i for i, k in enumerate(self.keys) if k.op == "verify"], np.intp)
         self._head_ctx = {g: self.ctx[self.keys[i]] for g, i in first.items()}
 
+    @property
+    def lock(self) -> threading.RLock:
+        """The canary's re-entrant lock, which every public method takes. Threads that step one
+        canary hold it around each whole step (``before_forward`` .. ``after_forward``): the two
+        stages of a batch share the step's plan, so another thread's step must not come between."""
+        return self._lock
+
     # ---- step API --------------------------------------------------------------------------------
     def before_forward(self, batch: Batch, stream=None) -> None:
         """HEAD: verify each request's cached prefix (identity) and stamp the new tokens."""
+        _need_batch(batch, "before_forward")
         with self._lock:
             self._stage(batch, 0, stream)
 
     def after_forward(self, batch: Batch, stream=None) -> None:
         """TAIL: verify the prefix with real KV, stamp the new tokens with their fingerprints, then
         poll the pump (skipped while the stream is being captured into a CUDA graph)."""
+        _need_batch(batch, "after_forward")
         with self._lock:
             s = self._stage(batch, 1, stream)
             if s is not False:  # False: captured
@@ -280,10 +314,8 @@ class KvCanary:
         """Verify idle cached slots against the TAIL buffers with real KV (tags SWEEP_*).
         ``prev_slots[i]`` is slot i's predecessor (-1 for a chain head); host sequences."""
         from .sweep import sweep_plan
+        group = self._group(group)
         with self._lock:
-            if group not in self.groups:
-                raise ValidationError(f"kv-canary: sweep group must be one of {tuple(self.groups)}, got "
-                                      f"{group!r}. Fix: pass group='FULL'")
             plan = self.plans["SWEEP"]
             host, n = sweep_plan(slots, positions, prev_slots, plan.verify_capacity)
             s = self.backend.stream(stream, None)
@@ -299,7 +331,16 @@ class KvCanary:
         """:meth:`sweep` over node chains: each chain lists the slots of positions 0, 1, ... of one
         cached sequence (e.g. a radix-tree path from the root)."""
         from .sweep import chains_plan
+        self._group(group)
         self.sweep(*chains_plan(chains), group=group, stream=stream)
+
+    def _group(self, group) -> str:
+        """The group a sweep names (case-insensitive), checked."""
+        if not isinstance(group, str):
+            fail("sweep group", f"one of {tuple(self.groups)}", group, "pass group='FULL'", kind=ValidationTypeError)
+        if group.upper() not in self.groups:
+            fail("sweep group", f"one of {tuple(self.groups)}", group, "pass group='FULL'")
+        return group.upper()
 
     # ---- pump ------------------------------------------------------------------------------------
     def poll(self, stream=None) -> None:
@@ -394,8 +435,8 @@ class KvCanary:
         reported step (``type="stats"``, the keys of :meth:`stats`). A listener that raises is
         logged once and counted in ``export_errors``; no listener costs nothing."""
         if not callable(callback):
-            raise ValidationError(f"kv-canary: add_listener needs a callable, got {type(callback).__name__}. "
-                                  f"Fix: pass a function taking one dict")
+            raise ValidationTypeError(f"kv-canary: add_listener needs a callable, got {type(callback).__name__}. "
+                                      f"Fix: pass a function taking one dict")
         with self._lock:
             self.reporter.listeners.append(callback)
 
@@ -432,5 +473,11 @@ class KvCanary:
     def record_replay(self, stages=STAGES) -> None:
         """Tell the health check that a captured graph holding these stages was replayed (a
         capture itself counts nothing)."""
+        stages = (stages,) if isinstance(stages, str) else stages
+        if not isinstance(stages, (tuple, list)) or not all(isinstance(st, str) for st in stages):
+            fail("record_replay(stages=)", "'HEAD', 'TAIL' or a tuple of them", stages, "pass stages=('HEAD', 'TAIL')",
+                 kind=ValidationTypeError)
+        if not set(stages) <= set(STAGES):
+            fail("record_replay(stages=)", f"a subset of {STAGES}", stages, "pass stages=('HEAD', 'TAIL')")
         with self._lock:
             self._count([i for i, k in enumerate(self.keys) if k.stage in stages])

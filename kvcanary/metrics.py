@@ -24,6 +24,7 @@ process can share a registry. Nothing here runs unless a :class:`PrometheusMetri
 
 from __future__ import annotations
 
+import re
 import threading
 import weakref
 
@@ -45,6 +46,7 @@ GAUGES = {
 VIOLATIONS = ("kvcanary_violations", "Violation records by launch tag and fail reason (one per set reason bit).")
 RECORDS = ("kvcanary_violation_records", "Violation records (ring rows) by launch tag.")
 RESERVED_LABELS = ("tag", "reason")
+_LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")  # Prometheus' label names; "__" starts reserved ones
 
 _families: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # registry -> (label names, metrics)
 _families_lock = threading.Lock()
@@ -90,6 +92,10 @@ def _check_labels(labels) -> dict[str, str]:
     if not isinstance(labels, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in labels.items()):
         raise ValidationTypeError(f"kv-canary: labels must be a dict of str to str, got {labels!r}. "
                                   "Fix: pass e.g. labels={'tp_rank': '0'}.")
+    bad = sorted(k for k in labels if not _LABEL_NAME.match(k) or k.startswith("__"))
+    if bad:
+        raise ValidationError(f"kv-canary: label names must match [a-zA-Z_][a-zA-Z0-9_]* and not start with '__' "
+                              f"(Prometheus' rule), got {bad}. Fix: rename them, e.g. 'tp_rank'.")
     clash = sorted(set(labels) & set(RESERVED_LABELS))
     if clash:
         raise ValidationError(f"kv-canary: labels may not use the names {list(RESERVED_LABELS)} (the "
@@ -109,6 +115,10 @@ class PrometheusMetrics:
                                       f"add_listener), got {type(canary).__name__}. Fix: pass the KvCanary.")
         pc = _prometheus()
         self.labels = _check_labels(labels)
+        if registry is not None and not callable(getattr(registry, "register", None)):
+            raise ValidationTypeError(f"kv-canary: registry must be a prometheus_client CollectorRegistry or None, got "
+                                      f"{type(registry).__name__}. Fix: pass prometheus_client.CollectorRegistry() "
+                                      f"or leave it out (the global registry).")
         self.registry = pc.REGISTRY if registry is None else registry
         self._metrics = _metric_families(pc, self.registry, tuple(sorted(self.labels)))
         self._series = {key: self._metrics[key].labels(**self.labels) if self.labels else self._metrics[key]
@@ -154,5 +164,13 @@ def start_http_server(port: int, addr: str = "0.0.0.0", registry=None):
         raise ValidationTypeError(f"kv-canary: port must be an int, got {type(port).__name__}. Fix: e.g. port=9400.")
     if not 0 <= port <= 65535:
         raise ValidationError(f"kv-canary: port must be in [0, 65535], got {port}. Fix: e.g. port=9400.")
+    if not isinstance(addr, str):
+        raise ValidationTypeError(f"kv-canary: addr must be a host name or address string, got {type(addr).__name__}. "
+                                  f"Fix: e.g. addr='0.0.0.0' (every interface) or addr='127.0.0.1'.")
     pc = _prometheus()
-    return pc.start_http_server(port, addr=addr, registry=pc.REGISTRY if registry is None else registry)
+    try:
+        return pc.start_http_server(port, addr=addr, registry=pc.REGISTRY if registry is None else registry)
+    except OSError as exc:
+        raise ValidationError(f"kv-canary: the metrics server must be able to listen on {addr}:{port}, got "
+                              f"{type(exc).__name__}: {exc.strerror or exc}. Fix: pick a free port (port=0 takes "
+                              f"one) and an address of this host.") from None

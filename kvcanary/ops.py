@@ -19,7 +19,7 @@ from .driver import Launch
 from .errors import ValidationError
 from .plan import Batch, StepPlan, check_batch_values
 from .state import VerifyContext, ViolationSink, checked, same_device
-from .validate import boolean
+from .validate import boolean, instance
 
 BLOCK = abi.BLOCK_THREADS
 def _block_entries(block: int, lane_entries: int) -> int:
@@ -68,6 +68,20 @@ def _verify_shape(rt, name: str, capacity: int, hash_bytes: tuple[int, ...]) -> 
     return name, max(1, min(rt.resident_blocks(name, block), -(-capacity // tile))), block
 
 
+_NOT_TAKEN = object()
+
+
+def _check_args(*, ctx=_NOT_TAKEN, batch=_NOT_TAKEN, plan=_NOT_TAKEN) -> None:
+    """The kinds of an op's arguments (those it takes)."""
+    if ctx is not _NOT_TAKEN:
+        instance("ctx", ctx, VerifyContext, "a kvcanary.VerifyContext",
+                 "VerifyContext(CanaryBuffer.allocate(num_slots), ViolationSink.allocate(), ...)")
+    if batch is not _NOT_TAKEN:
+        instance("batch", batch, Batch, "a kvcanary.Batch", "build one with kvcanary.Batch(...) or an adapter")
+    if plan is not _NOT_TAKEN:
+        instance("plan", plan, StepPlan, "a kvcanary.StepPlan", "StepPlan.allocate(max_batch, verify_capacity)")
+
+
 def _check_plan_device(ctx: VerifyContext, plan: StepPlan) -> None:
     if plan.device != ctx.device:
         where = lambda d: "host" if d is None else f"cuda:{d}"  # noqa: E731
@@ -87,6 +101,7 @@ def verify(ctx: VerifyContext, plan: StepPlan, *, check_expected_token: bool = F
 def prepare_verify(ctx: VerifyContext, plan: StepPlan, *, check_expected_token: bool = False,
                    stream=None) -> Launch | None:
     """:func:`verify` validated and packed; host arrays run on the reference now (returns None)."""
+    _check_args(ctx=ctx, plan=plan)
     _check_plan_device(ctx, plan)
     check = boolean("check_expected_token", check_expected_token)
     if not plan.materialized:
@@ -124,6 +139,7 @@ def write(ctx: VerifyContext, plan: StepPlan, input_ids, positions, out_cache_lo
 def prepare_write(ctx: VerifyContext, plan: StepPlan, input_ids, positions, out_cache_loc, *,
                   expected_input_ids=None, expected_positions=None, stream=None) -> Launch | None:
     """:func:`write` validated and packed; host arrays run on the reference now (returns None)."""
+    _check_args(ctx=ctx, plan=plan)
     _check_plan_device(ctx, plan)
     tok = checked(input_ids, "input_ids", dtype=np.int64, ndim=1)
     T = tok.shape[0]
@@ -211,6 +227,7 @@ def build_plan(batch: Batch, plan: StepPlan, *, swa_window: int = 0, swa_map=Non
 def prepare_build_plan(batch: Batch, plan: StepPlan, *, swa_window: int = 0, swa_map=None,
                        ctx: VerifyContext | None = None, stream=None) -> list[Launch]:
     """:func:`build_plan` validated and packed (one or two launches); host arrays run now."""
+    _check_args(batch=batch, plan=plan, ctx=_NOT_TAKEN if ctx is None else ctx)
     if ctx is not None:
         _check_plan_device(ctx, plan)
     v, window = _batch_views(batch, plan, swa_window, swa_map)
@@ -263,6 +280,7 @@ def fused_verify(ctx: VerifyContext, batch: Batch, plan: StepPlan, *, swa_window
 def prepare_fused_verify(ctx: VerifyContext, batch: Batch, plan: StepPlan, *, swa_window: int = 0,
                          swa_map=None, check_expected_token: bool = False, stream=None) -> Launch | None:
     """:func:`fused_verify` validated and packed; host arrays run on the reference now."""
+    _check_args(ctx=ctx, batch=batch, plan=plan)
     _check_plan_device(ctx, plan)
     check = boolean("check_expected_token", check_expected_token)
     v, window = _batch_views(batch, plan, swa_window, swa_map)

@@ -66,7 +66,7 @@ class Batch:
         for name in ("prefix_lens", "extend_lens"):
             if v[name].shape[0] != bs:
                 raise ValidationError(f"kv-canary: batch.{name} must have shape ({bs},) like "
-                                      f"req_pool_indices, got {v[name].shape}")
+                                      f"req_pool_indices, got {v[name].shape}. Fix: one entry per request")
         v["req_to_token"] = checked(self.req_to_token, "batch.req_to_token", dtype=np.int32, ndim=2)
         for name in ("input_ids", "positions", "out_cache_loc", "expected_input_ids", "expected_positions",
                      "swa_out_cache_loc"):
@@ -129,7 +129,12 @@ def check_batch_values(v: dict[str, ArrayView], batch: "Batch", *, swa: bool) ->
     loc = v.get("swa_out_cache_loc" if swa else "out_cache_loc")
     if loc is None:
         return
-    need, T = int(np.where(real, ext, 0).sum()), loc.shape[0]
+    T, ext = loc.shape[0], np.where(real, ext, 0)
+    for i in np.flatnonzero(ext > T)[:1]:  # before the sum, which could wrap past int64
+        _reject(BatchField.TOKENS_SHORT, "batch.out_cache_loc", None, f"at least extend_lens[{i}] = {int(ext[i])} "
+                f"entries long", f"{T} entries", "pass one entry per new token of every request (request order)",
+                value=ext[i], bound=T)
+    need = int(ext.sum())
     if need > T:
         _reject(BatchField.TOKENS_SHORT, "batch.out_cache_loc", None, f"at least sum(extend_lens) = {need} entries "
                 f"long", f"{T} entries", "pass one entry per new token of every request (request order)",

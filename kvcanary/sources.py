@@ -15,7 +15,8 @@ import numpy as np
 
 from . import abi
 from .arrays import ArrayView, as_view, from_pointer
-from .errors import ValidationError
+from .errors import ValidationError, ValidationTypeError
+from .validate import INT32_MAX, fail, integer, optional_integer
 
 def resolved(view: ArrayView) -> ArrayView:
     """``view`` with an unknown CUDA ordinal (-1, e.g. a bare CAI producer) asked of the driver."""
@@ -45,27 +46,29 @@ class RealKvSource:
     read_bytes: int | None = None
 
     def __post_init__(self):
+        integer("RealKvSource.page_size", self.page_size, lo=1, hi=INT32_MAX,
+                fix="pass the tokens per row of the tensor (1 for a [slots, ...] pool)")
+        n = integer("RealKvSource.num_bytes_per_token", self.num_bytes_per_token,
+                    fix="pass the bytes one token occupies in a row, a multiple of 16")
+        if n <= 0 or n % abi.REAL_KV_ALIGN or n > INT32_MAX:
+            fail("RealKvSource.num_bytes_per_token", "a positive multiple of 16", n,
+                 "kvcanary reads 16-byte words: pass the token's bytes in a row (pad the token to 16 bytes, or "
+                 "fingerprint another tensor)")
         if self.read_bytes is None:
-            object.__setattr__(self, "read_bytes", self.num_bytes_per_token)
-        if not isinstance(self.page_size, (int, np.integer)) or self.page_size < 1:
-            raise ValidationError(f"kv-canary: RealKvSource.page_size must be >= 1, got {self.page_size}")
-        n = self.num_bytes_per_token
-        if not isinstance(n, (int, np.integer)) or n <= 0 or n % abi.REAL_KV_ALIGN:
-            raise ValidationError(f"kv-canary: RealKvSource.num_bytes_per_token must be a positive "
-                                  f"multiple of 16, got {n}")
-        rb = self.read_bytes
-        if not isinstance(rb, (int, np.integer)) or rb <= 0 or rb % abi.REAL_KV_ALIGN or rb > n:
-            raise ValidationError(f"kv-canary: RealKvSource.read_bytes must be a positive multiple "
-                                  f"of 16 in (0, num_bytes_per_token={n}], got {rb}")
+            object.__setattr__(self, "read_bytes", n)
+        rb = integer("RealKvSource.read_bytes", self.read_bytes, fix="pass a multiple of 16, or None for all bytes")
+        if rb <= 0 or rb % abi.REAL_KV_ALIGN or rb > n:
+            fail("RealKvSource.read_bytes", f"a positive multiple of 16 in (0, num_bytes_per_token={n}]", rb,
+                 f"pass e.g. read_bytes={min(n, 16)}, or None for all {n} bytes")
         view = resolved(as_view(self.tensor, name="RealKvSource.tensor"))
         if len(view.shape) < 2:
             raise ValidationError(f"kv-canary: RealKvSource.tensor must be at least 2-D, got shape "
-                                  f"{view.shape}; {_FIX_2D}")
+                                  f"{view.shape}. Fix: {_FIX_2D}")
         if view.strides[0] % abi.REAL_KV_ALIGN:
             raise ValidationError(
                 f"kv-canary: RealKvSource.tensor row stride must be a multiple of 16 bytes, got "
                 f"{view.strides[0]} bytes (shape={view.shape}, strides={view.strides}, "
-                f"dtype={view.dtype_name}); pad each row to a multiple of 16 bytes")
+                f"dtype={view.dtype_name}). Fix: pad each row to a multiple of 16 bytes")
         object.__setattr__(self, "_view", view)
 
     @property
@@ -91,23 +94,33 @@ def hash_bytes_for(source: RealKvSource, mode: abi.HashMode) -> int:
     return abi.PARTIAL_HASH_BYTES if mode == abi.HashMode.PARTIAL else int(source.read_bytes)
 
 
+def source_list(sources, name: str = "real_kv_sources") -> tuple[RealKvSource, ...]:
+    """``sources`` (a list or tuple of :class:`RealKvSource`) as a tuple; anything else is a
+    ValidationTypeError (an array, one bare source or None is not a list of sources)."""
+    wrap = "wrap each array: RealKvSource(tensor, page_size, num_bytes_per_token) or kvcanary.source_from_slots(pool)"
+    if not isinstance(sources, (list, tuple)):
+        fail(name, "a list or tuple of kvcanary.RealKvSource", sources,
+             f"pass [source, ...] (() for none); {wrap}", kind=ValidationTypeError)
+    for i, src in enumerate(sources):
+        if not isinstance(src, RealKvSource):
+            fail(f"{name}[{i}]", "a kvcanary.RealKvSource", src, wrap, kind=ValidationTypeError)
+    return tuple(sources)
+
+
 def marshal_sources(sources: Sequence[RealKvSource], mode: abi.HashMode, num_slots: int) -> tuple[MarshalledSource, ...]:
     """Validate sources for a launch; mode NONE fingerprints nothing (no sources are read)."""
-    sources = tuple(sources)
+    from .validate import hash_mode
+    sources, mode = source_list(sources), hash_mode(mode, "hash mode")
     if len(sources) > abi.MAX_REAL_KV_SOURCES:
         raise ValidationError(f"kv-canary: at most {abi.MAX_REAL_KV_SOURCES} RealKvSource entries "
-                              f"supported by the CUDA ABI, got {len(sources)}; fingerprint fewer "
+                              f"supported by the CUDA ABI, got {len(sources)}. Fix: fingerprint fewer "
                               f"layers (e.g. the first layer only) or split them across contexts")
     out = []
     for i, src in enumerate(sources):
-        if not isinstance(src, RealKvSource):
-            raise ValidationError(f"kv-canary: real_kv_sources[{i}] must be a RealKvSource, got "
-                                  f"{type(src).__name__}; wrap the array: RealKvSource(tensor, page_size, "
-                                  f"num_bytes_per_token)")
         v = src.view
         if len(v.shape) != 2:
             raise ValidationError(f"kv-canary: real_kv_sources[{i}].tensor (viewed as uint8) must be "
-                                  f"2-D, got {len(v.shape)}-D; {_FIX_2D} (or build it with "
+                                  f"2-D, got {len(v.shape)}-D. Fix: {_FIX_2D} (or build it with "
                                   f"kvcanary.sources_from_pages / sources_from_layers)")
         if v.strides[1] != v.dtype.itemsize:
             raise ValidationError(f"kv-canary: real_kv_sources[{i}].tensor must have a contiguous "
@@ -123,12 +136,13 @@ def marshal_sources(sources: Sequence[RealKvSource], mode: abi.HashMode, num_slo
         if need > row_bytes:
             raise ValidationError(f"kv-canary: real_kv_sources[{i}] needs page_size * num_bytes_per_token "
                                   f"= {src.page_size} * {src.num_bytes_per_token} = {need} bytes per row, "
-                                  f"but its rows hold {row_bytes} bytes (shape={v.shape}, dtype={v.dtype_name}); "
+                                  f"got rows of {row_bytes} bytes (shape={v.shape}, dtype={v.dtype_name}); "
                                   f"fix: page_size or num_bytes_per_token")
         if mode != abi.HashMode.NONE and v.shape[0] * src.page_size < num_slots:
             raise ValidationError(f"kv-canary: real_kv_sources[{i}] covers {v.shape[0] * src.page_size} "
                                   f"slots ({v.shape[0]} rows x page_size {src.page_size}) but the canary "
-                                  f"buffer has {num_slots}; fix: pass the whole pool, or size the canary "
+                                  f"buffer has {num_slots}: expected at least {num_slots}, got "
+                                  f"{v.shape[0] * src.page_size}; fix: pass the whole pool, or size the canary "
                                   f"buffer to the pool")
         u8 = from_pointer(v.ptr, (v.shape[0], row_bytes), np.uint8, device=v.device,
                           strides=(v.strides[0], 1), readonly=True, owner=v)
@@ -141,6 +155,13 @@ def marshal_sources(sources: Sequence[RealKvSource], mode: abi.HashMode, num_slo
 def _rows_view(tensor, rows_dims: int, name: str) -> ArrayView:
     """[d0, ..., d_{k-1}, rest...] -> uint8 [d0*...*d_{k-1}, bytes(rest)] without copying."""
     v = resolved(as_view(tensor, name=name))
+    if len(v.shape) <= rows_dims:
+        raise ValidationError(f"kv-canary: {name} must have more than {rows_dims} dimension(s) ([rows, bytes of "
+                              f"a row...]), got shape {v.shape}. Fix: pass the pool itself, e.g. [slots, heads, "
+                              f"dim] or [pages, page_size, heads, dim]")
+    if not v.numel:
+        raise ValidationError(f"kv-canary: {name} must hold at least one row of bytes, got shape {v.shape}. Fix: pass "
+                              f"the allocated pool")
     item = v.dtype.itemsize
     inner = 1
     for dim in v.shape[rows_dims:]:
@@ -157,26 +178,35 @@ def _rows_view(tensor, rows_dims: int, name: str) -> ArrayView:
         rows *= v.shape[i]
     for i in range(rows_dims - 1):  # leading dims must collapse into one strided row index
         if v.strides[i] != v.strides[i + 1] * v.shape[i + 1]:
-            raise ValidationError(f"kv-canary: {name} leading dims do not collapse into rows "
-                                  f"(shape {v.shape}, strides {v.strides}); fix: pass one layer at a time")
+            raise ValidationError(f"kv-canary: {name} leading dims must collapse into rows, got shape {v.shape}, "
+                                  f"strides {v.strides}; fix: pass one layer at a time")
     return from_pointer(v.ptr, (rows, inner * item), np.uint8, device=v.device,
                         strides=(row_stride, 1), readonly=v.readonly, owner=v)
 
 
 def sources_from_pages(pool, *, page_size: int | None = None, read_bytes: int | None = None) -> RealKvSource:
-    """A paged pool ``[pages, page_size, ...]`` (any dtype): one row per page."""
+    """A paged pool ``[pages, page_size, ...]`` (any dtype): one row per page. ``page_size``
+    (default ``pool.shape[1]``) tokens share a row, each ``row bytes / page_size`` bytes."""
+    optional_integer("page_size", page_size, lo=1, hi=INT32_MAX, fix="pass the tokens per page, or leave it out")
     v = as_view(pool, name="pool")
     if len(v.shape) < 2:
-        raise ValidationError(f"kv-canary: pool must be [pages, page_size, ...], got shape {v.shape}")
-    page = v.shape[1] if page_size is None else page_size
+        raise ValidationError(f"kv-canary: pool must be [pages, page_size, ...], got shape {v.shape}. Fix: pass "
+                              f"the paged pool itself (e.g. [num_blocks, block_size, heads, dim])")
     rows = _rows_view(pool, 1, "pool")
-    per_token = rows.shape[1] // page
-    return RealKvSource(rows, page, per_token, read_bytes)
+    page = v.shape[1] if page_size is None else int(page_size)
+    if page < 1 or rows.shape[1] % page or (rows.shape[1] // page) % abi.REAL_KV_ALIGN:
+        fail("page_size", f"a divisor of the page's {rows.shape[1]} bytes into tokens of a multiple of 16 bytes",
+             page, f"pass the pool's tokens per page (its shape[1] = {v.shape[1]})")
+    return RealKvSource(rows, page, rows.shape[1] // page, read_bytes)
 
 
 def source_from_slots(pool, *, read_bytes: int | None = None) -> RealKvSource:
     """A per-token pool ``[slots, ...]`` (SGLang MHA ``[slots, heads, dim]``, MLA ``[slots, 1, dim]``)."""
     rows = _rows_view(pool, 1, "pool")
+    if rows.shape[1] % abi.REAL_KV_ALIGN or not rows.shape[1]:
+        fail("pool", "a [slots, ...] pool of a positive multiple of 16 bytes per slot", f"{rows.shape[1]} bytes per "
+             f"slot (shape {as_view(pool, name='pool').shape})", "pad the token to 16 bytes, or fingerprint another "
+             "tensor (identity checks need none)")
     return RealKvSource(rows, 1, rows.shape[1], read_bytes)
 
 
@@ -185,7 +215,8 @@ def sources_from_vllm(cache, *, read_bytes: int | None = None) -> tuple[RealKvSo
     v = as_view(cache, name="cache")
     if len(v.shape) < 4 or v.shape[0] != 2:
         raise ValidationError(f"kv-canary: a vLLM-style cache must be [2, num_blocks, block_size, "
-                              f"heads, dim], got shape {v.shape}")
+                              f"heads, dim], got shape {v.shape}. Fix: pass one layer's cache, or use "
+                              f"kvcanary.adapters.vllm_layer_sources for other layouts")
     halves = []
     for h in range(2):
         half = from_pointer(v.ptr + h * v.strides[0], v.shape[1:], v.dtype, device=v.device,
@@ -196,7 +227,12 @@ def sources_from_vllm(cache, *, read_bytes: int | None = None) -> tuple[RealKvSo
 
 def sources_from_layers(layers: Sequence, *, read_bytes: int | None = None, page_size: int | None = None) -> list[RealKvSource]:
     """One source per layer of a per-layer list: ``[slots, ...]`` tensors, or ``[pages, page_size, ...]``
-    when ``page_size`` is given."""
+    when ``page_size`` is given. A stacked ``[layers, ...]`` array works as a list of its layers."""
+    if isinstance(layers, (str, bytes, dict)) or not (isinstance(layers, (list, tuple)) or hasattr(layers, "shape")):
+        fail("layers", "a list or tuple of per-layer arrays (or one stacked [layers, ...] array)", layers,
+             "pass e.g. [k_layer0, k_layer1, ...]", kind=ValidationTypeError)
+    if not isinstance(layers, (list, tuple)):
+        layers = [layers[i] for i in range(int(layers.shape[0]))]
     if page_size is None:
         return [source_from_slots(t, read_bytes=read_bytes) for t in layers]
     return [sources_from_pages(t, page_size=page_size, read_bytes=read_bytes) for t in layers]

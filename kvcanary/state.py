@@ -15,39 +15,55 @@ import numpy as np
 
 from . import abi
 from .arrays import ArrayView, as_view
-from .errors import ValidationError
-from .sources import MarshalledSource, RealKvSource, marshal_sources, resolved
-from .validate import integer
+from .errors import ValidationError, ValidationTypeError
+from .sources import MarshalledSource, RealKvSource, marshal_sources, resolved, source_list
+from .validate import boolean, device as check_device, hash_mode as parse_hash_mode, instance, integer, launch_tag
 
 RING_CAPACITY_LIMIT = 1 << 24  # rows (1 GiB of ring): more would only hide a reporting backlog
+SLOTS_LIMIT = 1 << 40          # canary slots (32 TiB of records)
 
 
 def alloc_zeros(shape, dtype, device: int | None):
     """Zeroed numpy array (device None) or kvcanary DeviceArray on ``device``."""
+    device = check_device("device", device)
     if device is None:
-        return np.zeros(shape, dtype)
+        try:
+            return np.zeros(shape, dtype)
+        except MemoryError:
+            nbytes = int(np.prod(shape, dtype=object)) * np.dtype(dtype).itemsize
+            raise ValidationError(f"kv-canary: host memory for a {tuple(shape)} {np.dtype(dtype).name} array must be "
+                                  f"available, got none for its {nbytes} bytes (numpy could not allocate them). "
+                                  f"Fix: ask for fewer slots or rows") from None
     from . import memory
     return memory.zeros(shape, dtype, device)
 
 
+def _shape_text(shape) -> str:
+    return "(" + ", ".join("*" if s is None else str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
+
+
 def checked(array, name: str, *, dtype, shape=None, ndim=None, writable=False) -> ArrayView:
-    """as_view plus the dtype / shape / contiguity / writability rules every state array obeys."""
+    """as_view plus the dtype / shape / contiguity / writability rules every state array obeys
+    (metadata only: no element is read)."""
     v = resolved(as_view(array, name=name))
+    want = np.dtype(dtype).name
     if v.dtype != np.dtype(dtype):
-        raise ValidationError(f"kv-canary: {name} must have dtype {np.dtype(dtype).name}, got "
-                              f"{v.dtype_name}; fix: allocate it as {np.dtype(dtype).name}")
+        raise ValidationTypeError(f"kv-canary: {name} must have dtype {want}, got {v.dtype_name}. Fix: allocate "
+                                  f"it as {want} (e.g. a.astype(np.{want}) or t.to(torch.{want}))")
     if ndim is not None and len(v.shape) != ndim:
-        raise ValidationError(f"kv-canary: {name} must be {ndim}-D, got shape {v.shape}")
+        raise ValidationError(f"kv-canary: {name} must be {ndim}-D, got shape {v.shape}. Fix: pass a "
+                              f"{ndim}-D array" + (f" of shape {_shape_text(shape)}" if shape else ""))
     if shape is not None:
-        for want, got in zip(shape, v.shape):
-            if want is not None and want != got:
-                want_text = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
-                raise ValidationError(f"kv-canary: {name} must have shape {want_text}, got {v.shape}")
+        for want_n, got_n in zip(shape, v.shape):
+            if want_n is not None and want_n != got_n:
+                raise ValidationError(f"kv-canary: {name} must have shape {_shape_text(shape)}, got {v.shape}. "
+                                      f"Fix: allocate it with shape {_shape_text(shape)}")
     if not v.is_c_contiguous():
         raise ValidationError(f"kv-canary: {name} must be C-contiguous, got strides {v.strides} for "
-                              f"shape {v.shape}; fix: .contiguous() / np.ascontiguousarray")
+                              f"shape {v.shape}. Fix: .contiguous() / np.ascontiguousarray (and pass that copy)")
     if writable and v.readonly:
-        raise ValidationError(f"kv-canary: {name} must be writable, got a read-only array")
+        raise ValidationError(f"kv-canary: {name} must be writable, got a read-only array. Fix: pass the "
+                              f"writable buffer itself, not a read-only view")
     return v
 
 
@@ -68,22 +84,31 @@ class CanaryBuffer:
         stride = v.shape[1]
         if stride < abi.SLOT_BYTES or stride % 8:
             raise ValidationError(f"kv-canary: canary buffer slot stride must be >= {abi.SLOT_BYTES} "
-                                  f"bytes and a multiple of 8, got {stride}")
+                                  f"bytes and a multiple of 8, got {stride}. Fix: allocate it as uint8 "
+                                  f"[num_slots, {abi.SLOT_BYTES}] (CanaryBuffer.allocate(num_slots))")
+        if v.shape[0] < 1:
+            raise ValidationError("kv-canary: canary buffer must have at least 1 slot, got 0 rows. Fix: one row "
+                                  "per KV slot of the pool (CanaryBuffer.allocate(num_slots))")
         if v.ptr % 8:
-            raise ValidationError(f"kv-canary: canary buffer must be 8-byte aligned, got 0x{v.ptr:x}")
+            raise ValidationError(f"kv-canary: canary buffer must be 8-byte aligned, got 0x{v.ptr:x}. Fix: pass "
+                                  f"the allocation itself (CanaryBuffer.allocate does)")
         self.array, self.view = array, v
         self.num_slots, self.slot_stride = v.shape[0], stride
         self.device = v.device
 
     @classmethod
     def allocate(cls, num_slots: int, *, device: int | None = None, slot_stride_bytes: int = abi.SLOT_BYTES):
+        integer("num_slots", num_slots, lo=1, hi=SLOTS_LIMIT, fix="pass the pool's slot count")
+        integer("slot_stride_bytes", slot_stride_bytes, lo=abi.SLOT_BYTES, hi=1 << 16,
+                fix=f"leave it at {abi.SLOT_BYTES} (or a larger multiple of 8)")
         return cls(alloc_zeros((num_slots, slot_stride_bytes), np.uint8, device))
 
     def host_words(self) -> np.ndarray:
         """[num_slots, 4] int64 fields (a copy for device buffers, a view for host ones)."""
         data = self.view.host if self.device is None else self.array.numpy() if hasattr(self.array, "numpy") else None
         if data is None:
-            raise ValidationError("kv-canary: cannot read this device canary buffer back without its framework")
+            raise ValidationError("kv-canary: host_words needs a host buffer or a device array with .numpy(), got "
+                                  f"{type(self.array).__name__}. Fix: allocate it with CanaryBuffer.allocate")
         return np.ascontiguousarray(data).view(np.int64)[:, : abi.FIELDS_PER_SLOT]
 
 
@@ -119,7 +144,7 @@ class ViolationSink:
 
     @classmethod
     def allocate(cls, capacity: int = abi.DEFAULT_RING_CAPACITY, *, device: int | None = None):
-        integer("ring capacity", capacity, lo=1, hi=RING_CAPACITY_LIMIT)
+        integer("capacity", capacity, lo=1, hi=RING_CAPACITY_LIMIT, fix="pass the ring's rows, e.g. capacity=4096")
         return cls(alloc_zeros((capacity, abi.RING_COLS), np.int64, device),
                    alloc_zeros((1,), np.int32, device), alloc_zeros((1,), np.int64, device),
                    alloc_zeros((1,), np.int64, device))
@@ -159,9 +184,13 @@ class VerifyContext:
     common: bytes = field(init=False, repr=False)
 
     def __post_init__(self):
-        self.tag = abi.LaunchTag(self.tag)
-        self.hash_mode = abi.HashMode(self.hash_mode)
-        self.sources = tuple(self.sources)
+        instance("VerifyContext.buffer", self.buffer, CanaryBuffer, "a kvcanary.CanaryBuffer",
+                 "wrap the array: CanaryBuffer(array), or CanaryBuffer.allocate(num_slots)")
+        instance("VerifyContext.sink", self.sink, ViolationSink, "a kvcanary.ViolationSink",
+                 "pass ViolationSink.allocate(capacity) or ViolationSink(ring, write_index, ...)")
+        self.tag = launch_tag(self.tag, "VerifyContext.tag")
+        self.hash_mode = parse_hash_mode(self.hash_mode, "VerifyContext.hash_mode")
+        self.sources = source_list(self.sources, "VerifyContext.sources")
         self.marshalled = marshal_sources(self.sources, self.hash_mode, self.buffer.num_slots)
         if self.chain_position_assert is None:
             self.chain_position_assert = alloc_zeros((1,), np.int32, self.buffer.device)
@@ -178,7 +207,7 @@ class VerifyContext:
 
     def set_chain_position_assert(self, on: bool) -> None:
         """Turn the write-position assert on or off (a host write; not for use inside a graph)."""
-        value = np.array([1 if on else 0], np.int32)
+        value = np.array([1 if boolean("on", on) else 0], np.int32)
         if self.device is None:
             self.flag_view.host[...] = value
         else:

@@ -31,7 +31,8 @@ def stream_handle(stream: Any) -> int:
         if hasattr(stream, attr):
             return int(getattr(stream, attr))
     raise ValidationTypeError(f"kv-canary: stream must be an int CUstream handle or a torch/CuPy "
-                              f"stream object, got {type(stream).__name__}")
+                              f"stream object, got {type(stream).__name__}. Fix: pass e.g. "
+                              f"torch.cuda.current_stream(), a CuPy stream, or None (the current stream)")
 
 
 def _framework_stream(objs: Iterable[Any], device: int) -> int | None:

@@ -7,6 +7,7 @@ import pytest
 
 import kvcanary as kc
 from kvcanary import abi
+from kvcanary.errors import ValidationError, ValidationTypeError
 from kvcanary.sources import marshal_sources
 
 POOL = np.zeros((64, 256), np.uint8)
@@ -14,26 +15,30 @@ POOL = np.zeros((64, 256), np.uint8)
 
 def test_page_size_rule():
     kc.RealKvSource(POOL, 1, 16)
-    with pytest.raises(ValueError, match=r"^kv-canary: RealKvSource.page_size must be >= 1, got 0$"):
+    with pytest.raises(ValidationError, match=r"^kv-canary: RealKvSource.page_size must be an integer in "
+                                              r"\[1, 2147483647\], got 0 \(int\). Fix: pass the tokens per row"):
         kc.RealKvSource(POOL, 0, 16)
+    with pytest.raises(ValidationTypeError, match=r"^kv-canary: RealKvSource.page_size must be an integer .*, "
+                                                  r"got 1.5 \(float\). Fix: "):
+        kc.RealKvSource(POOL, 1.5, 16)  # the wrong kind of value, not a value out of range
 
 
 def test_num_bytes_per_token_rule():
     kc.RealKvSource(POOL, 2, 128)
     for bad in (0, 24, -16):
-        with pytest.raises(ValueError, match=rf"^kv-canary: RealKvSource.num_bytes_per_token must be a positive multiple of 16, got {bad}$"):
+        with pytest.raises(ValidationError, match=rf"^kv-canary: RealKvSource.num_bytes_per_token must be a positive multiple of 16, got {bad} \(int\). Fix: "):
             kc.RealKvSource(POOL, 1, bad)
 
 
 def test_read_bytes_rule():
     kc.RealKvSource(POOL, 1, 64, 64)
     for bad in (0, 8, 80):
-        with pytest.raises(ValueError, match=rf"^kv-canary: RealKvSource.read_bytes must be a positive multiple of 16 in \(0, num_bytes_per_token=64\], got {bad}$"):
+        with pytest.raises(ValidationError, match=rf"^kv-canary: RealKvSource.read_bytes must be a positive multiple of 16 in \(0, num_bytes_per_token=64\], got {bad} \(int\). Fix: "):
             kc.RealKvSource(POOL, 1, 64, bad)
 
 
 def test_at_least_2d_rule_with_fix():
-    with pytest.raises(ValueError, match=r"^kv-canary: RealKvSource.tensor must be at least 2-D, got shape \(16384,\); reshape to \[num_slots, bytes_per_slot\], e.g. t.view\(t.shape\[0\], -1\)$"):
+    with pytest.raises(ValueError, match=r"^kv-canary: RealKvSource.tensor must be at least 2-D, got shape \(16384,\). Fix: reshape to \[num_slots, bytes_per_slot\], e.g. t.view\(t.shape\[0\], -1\)$"):
         kc.RealKvSource(POOL.reshape(-1), 1, 16)
 
 
@@ -99,7 +104,7 @@ def test_mode_none_reads_no_source():
 
 def test_state_array_rules():
     kc.CanaryBuffer(np.zeros((8, 32), np.uint8))
-    with pytest.raises(ValueError, match=r"^kv-canary: canary buffer must have dtype uint8, got int64"):
+    with pytest.raises(ValidationTypeError, match=r"^kv-canary: canary buffer must have dtype uint8, got int64. Fix: "):
         kc.CanaryBuffer(np.zeros((8, 4), np.int64))
     with pytest.raises(ValueError, match=r"slot stride must be >= 32 bytes"):
         kc.CanaryBuffer(np.zeros((8, 24), np.uint8))
@@ -116,7 +121,7 @@ def test_write_argument_rules():
     kc.write(ctx, plan, ids, ids, ids)
     with pytest.raises(ValueError, match=r"^kv-canary: positions must have shape \(3,\), got \(2,\)"):
         kc.write(ctx, plan, ids, ids[:2], ids)
-    with pytest.raises(ValueError, match=r"^kv-canary: input_ids must have dtype int64, got int32"):
+    with pytest.raises(ValidationTypeError, match=r"^kv-canary: input_ids must have dtype int64, got int32. Fix: "):
         kc.write(ctx, plan, ids.astype(np.int32), ids, ids)
     with pytest.raises(ValueError, match=r"expected_input_ids and expected_positions go together"):
         kc.write(ctx, plan, ids, ids, ids, expected_input_ids=ids)
@@ -129,7 +134,7 @@ def test_batch_rules():
     kc.build_plan(kc.Batch(z, z, z, rtt), plan)
     with pytest.raises(ValueError, match=r"batch size must be <= the plan's max_batch \(2\), got 3"):
         kc.build_plan(kc.Batch(np.zeros(3, np.int64), np.zeros(3, np.int64), np.zeros(3, np.int64), rtt), plan)
-    with pytest.raises(ValueError, match=r"batch.req_to_token must have dtype int32, got int64"):
+    with pytest.raises(ValidationTypeError, match=r"batch.req_to_token must have dtype int32, got int64. Fix: "):
         kc.build_plan(kc.Batch(z, z, z, rtt.astype(np.int64)), plan)
     with pytest.raises(ValueError, match=r"batch.prefix_lens must have shape \(2,\)"):
         kc.build_plan(kc.Batch(z, np.zeros(3, np.int64), z, rtt), plan)

@@ -15,37 +15,70 @@ from typing import Sequence
 import numpy as np
 
 from .. import abi
-from ..errors import ValidationError
+from ..errors import ValidationError, ValidationTypeError
+from ..validate import fail, integer, is_int
+
+_LAYERS = "None, 'first', 'all', an int or a list of ints"
+
+
+def check_layers(layers):
+    """``layers`` normalised without a layer count: None, "first", "all" or a list of ints
+    (their range is :func:`select_layers`' to check)."""
+    if layers is None or (isinstance(layers, str) and layers.lower() == "first"):
+        return None
+    if isinstance(layers, str):
+        if layers.lower() == "all":
+            return "all"
+        fail("layers", _LAYERS, layers, "pass layers='first' (the default), 'all' or e.g. layers=[0, 3]")
+    if is_int(layers):
+        return [int(layers)]
+    if isinstance(layers, (bytes, dict, set)) or not hasattr(layers, "__iter__"):
+        fail("layers", _LAYERS, layers, "pass e.g. layers=[0, 3]", kind=ValidationTypeError)
+    picked = list(layers)
+    if not all(is_int(i) for i in picked):
+        fail("layers", "a list of int layer indices", picked, "pass e.g. layers=[0, 3]", kind=ValidationTypeError)
+    return [int(i) for i in picked]
+
 
 def select_layers(num_layers: int, layers=None, *, sources_per_layer: int = 1, what: str = "pool") -> list[int]:
     """Indices of the layers to fingerprint: ``None``/``"first"`` -> ``[0]``; ``"all"`` -> every layer,
     truncated (with a warning) so that ``len * sources_per_layer <= MAX_REAL_KV_SOURCES``; an int or
     a sequence of ints -> those layers (checked, order kept, no duplicates)."""
     cap = abi.MAX_REAL_KV_SOURCES // max(1, sources_per_layer)
-    if num_layers < 1:
-        raise ValidationError(f"kv-canary: the {what} has no layers to fingerprint (got {num_layers})")
-    if layers is None or layers == "first":
+    num_layers = integer(f"the {what}'s number of layers", num_layers, lo=1,
+                         fix=f"pass a {what} with at least one layer")
+    spec = check_layers(layers)
+    if spec is None:
         return [0]
-    if layers == "all":
+    if spec == "all":
         if num_layers > cap:
             warnings.warn(f"kv-canary: fingerprinting the first {cap} of {num_layers} layers of the {what}: "
                           f"the CUDA ABI takes at most {abi.MAX_REAL_KV_SOURCES} sources "
                           f"({sources_per_layer} per layer); pass a list to choose others", RuntimeWarning,
                           stacklevel=3)
         return list(range(min(num_layers, cap)))
-    if isinstance(layers, str):
-        raise ValidationError(f"kv-canary: layers must be None, 'first', 'all', an int or a list of ints, "
-                              f"got {layers!r}")
-    picked = [int(layers)] if isinstance(layers, (int, np.integer)) else [int(i) for i in layers]
-    bad = [i for i in picked if not 0 <= i < num_layers]
-    if bad or len(set(picked)) != len(picked) or not picked:
+    bad = [i for i in spec if not 0 <= i < num_layers]
+    if bad or len(set(spec)) != len(spec) or not spec:
         raise ValidationError(f"kv-canary: layers must be distinct indices in [0, {num_layers}) of the "
-                              f"{what}, got {list(picked)}")
-    if len(picked) > cap:
-        raise ValidationError(f"kv-canary: {len(picked)} layers x {sources_per_layer} source(s) exceed the "
-                              f"{abi.MAX_REAL_KV_SOURCES} real-KV sources of the CUDA ABI; fix: pass at "
-                              f"most {cap} layers")
-    return picked
+                              f"{what}, got {spec}. Fix: pass e.g. layers=[0] or layers='all'")
+    if len(spec) > cap:
+        raise ValidationError(f"kv-canary: {len(spec)} layers x {sources_per_layer} source(s) exceed the "
+                              f"{abi.MAX_REAL_KV_SOURCES} real-KV sources of the CUDA ABI, got {len(spec)} layers; "
+                              f"fix: pass at most {cap} layers")
+    return spec
+
+
+def canary_kwargs(kwargs: dict, where: str, taken: tuple[str, ...] = ("device",)) -> dict:
+    """``kwargs`` if every name is a :class:`~kvcanary.KvCanary` keyword argument that ``where``
+    does not set itself (``taken``)."""
+    import inspect
+    from ..manager import KvCanary
+    known = set(inspect.signature(KvCanary.__init__).parameters) - {"self", "full", "swa", *taken}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValidationTypeError(f"kv-canary: {where} passes keyword arguments to KvCanary, got unknown "
+                                  f"{unknown}. Fix: use KvCanary's names: {', '.join(sorted(known))}")
+    return kwargs
 
 
 _MISSING = object()
@@ -65,10 +98,16 @@ def require_attr(obj, name: str, what: str, fix: str):
 def layer_list(buffers, what: str) -> list:
     """A per-layer list from a list/tuple of arrays or one stacked ``[layers, ...]`` array."""
     if buffers is None:
-        raise ValidationError(f"kv-canary: {what} is missing (None)")
+        raise ValidationError(f"kv-canary: {what} must be a per-layer list of arrays, got None. Fix: pass the "
+                              f"pool object the engine allocated (its buffers are set at init)")
     if isinstance(buffers, (list, tuple)):
         return list(buffers)
-    return [buffers[i] for i in range(int(buffers.shape[0]))]
+    try:
+        layers = int(buffers.shape[0])
+    except Exception:  # noqa: BLE001 - no shape, or a 0-d array: not a stack of layers
+        fail(what, "a list of per-layer arrays or one stacked [layers, ...] array", buffers,
+             "pass the engine's own buffers", kind=ValidationTypeError)
+    return [buffers[i] for i in range(layers)]
 
 
 # ---- framework-neutral array arithmetic ------------------------------------------------------------
@@ -79,8 +118,8 @@ def framework(x) -> str:
         return root
     if isinstance(x, np.ndarray):
         return "numpy"
-    raise ValidationError(f"kv-canary: expected a torch tensor, a CuPy array or a numpy array, got "
-                          f"{type(x).__module__}.{type(x).__qualname__}; fix: pass the engine's tensor")
+    raise ValidationTypeError(f"kv-canary: expected a torch tensor, a CuPy array or a numpy array, got "
+                              f"{type(x).__module__}.{type(x).__qualname__}; fix: pass the engine's tensor")
 
 
 def module_of(x):

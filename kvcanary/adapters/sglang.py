@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import math
 
-from ..errors import ValidationError
+from ..arrays import as_view
+from ..errors import ValidationError, ValidationTypeError
 from ..manager import KvCanary, PoolGroup
 from ..sources import source_from_slots
-from .common import astype, check_sizes, device_ordinal, layer_list, select_layers
+from ..validate import boolean, fail, integer, optional_integer
+from .common import astype, canary_kwargs, check_sizes, device_ordinal, layer_list, select_layers
 from .sglang_batch import sglang_batch  # noqa: F401  (re-exported)
 
 _SCALE_NAMES = {"K": ("k_scale_buffer", "kv_scale_buffer"), "V": ("v_scale_buffer",)}
@@ -38,12 +40,28 @@ def is_swa_pool(pool) -> bool:
 def _halves(pool) -> dict[str, list]:
     """{"K": per-layer buffers, "V": ...} of an MHA or MLA pool."""
     if getattr(pool, "k_buffer", None) is not None:
+        if getattr(pool, "v_buffer", None) is None:
+            raise ValidationError(f"kv-canary: an MHA pool needs v_buffer beside k_buffer, got {type(pool).__name__} "
+                                  f"with k_buffer only. Fix: pass the MHATokenToKVPool itself (MLA pools carry "
+                                  f"kv_buffer instead)")
         return {"K": layer_list(pool.k_buffer, "pool.k_buffer"), "V": layer_list(pool.v_buffer, "pool.v_buffer")}
     if getattr(pool, "kv_buffer", None) is not None:
         return {"K": layer_list(pool.kv_buffer, "pool.kv_buffer")}
     raise ValidationError(f"kv-canary: an SGLang-style pool needs k_buffer/v_buffer (MHA) or kv_buffer (MLA), "
-                          f"got {type(pool).__name__} without them; for a hybrid SWA pool pass the SWAKVPool "
-                          f"(full_kv_pool + swa_kv_pool) to sglang_groups")
+                          f"got {type(pool).__name__} without them. Fix: pass the model runner's "
+                          f"token_to_kv_pool; for a hybrid SWA pool pass the SWAKVPool (full_kv_pool + "
+                          f"swa_kv_pool) to sglang_groups")
+
+
+def _check_scales(scales):
+    if isinstance(scales, str) and scales.lower() == "auto":
+        return "auto"
+    if isinstance(scales, str):
+        fail("scales", "'auto', True or False", scales, "pass scales='auto' (the default), True or False")
+    if not isinstance(scales, bool):
+        fail("scales", "'auto', True or False", scales, "pass scales='auto' (the default), True or False",
+             kind=ValidationTypeError)
+    return scales
 
 
 def _scales(pool, half: str, scales) -> list | None:
@@ -54,21 +72,23 @@ def _scales(pool, half: str, scales) -> list | None:
         if buf is not None:
             return layer_list(buf, f"pool.{name}")
     if scales is True and half == "K":
-        raise ValidationError(f"kv-canary: scales=True but {type(pool).__name__} has no k_scale_buffer or "
-                              f"kv_scale_buffer; fix: scales='auto' or False")
+        raise ValidationError(f"kv-canary: scales=True needs a pool with k_scale_buffer or kv_scale_buffer, got "
+                              f"{type(pool).__name__} without them; fix: scales='auto' or False")
     return None
 
 
 def _source(tensor, what: str, read_bytes, fix: str):
-    row = math.prod(int(d) for d in tensor.shape[1:]) * int(getattr(tensor, "itemsize", 0) or tensor.dtype.itemsize)
+    view = as_view(tensor, name=f"the {what}")  # metadata only: a kv-canary type error for a non-array
+    row = math.prod(view.shape[1:]) * view.itemsize
     if row % 16:
-        raise ValidationError(f"kv-canary: the {what} holds {row} bytes per token (shape {tuple(tensor.shape)}), "
-                              f"not a multiple of 16: kvcanary fingerprints 16-byte words at 16-byte aligned rows, "
+        raise ValidationError(f"kv-canary: the {what} must hold a multiple of 16 bytes per token, got a tensor that "
+                              f"holds {row} bytes per token (shape {view.shape}): kvcanary fingerprints "
+                              f"16-byte words at 16-byte aligned rows, "
                               f"so these rows cannot be read in place; fix: {fix}")
     try:
         return source_from_slots(tensor, read_bytes=read_bytes)
-    except ValidationError as exc:
-        raise ValidationError(f"{exc} [while building the real-KV source of {what}]") from exc
+    except (ValidationError, ValidationTypeError) as exc:
+        raise type(exc)(f"kv-canary: the real-KV source of {what}: {str(exc).removeprefix('kv-canary: ')}") from exc
 
 
 def sglang_sources(pool, *, layers=None, scales="auto", read_bytes: int | None = None):
@@ -78,6 +98,8 @@ def sglang_sources(pool, *, layers=None, scales="auto", read_bytes: int | None =
     ``scales``: "auto" adds the scale tensor of each chosen layer when the pool has one, True
     requires it, False ignores it. ``read_bytes`` caps the bytes fingerprinted in hash mode ALL
     (data sources only; scale sources are read whole)."""
+    scales = _check_scales(scales)
+    optional_integer("read_bytes", read_bytes, lo=16, fix="pass a multiple of 16, or None for every byte")
     halves = _halves(pool)
     scale_of = {h: _scales(pool, h, scales) for h in halves}
     per_layer = 2 if any(s is not None for s in scale_of.values()) else 1
@@ -107,7 +129,7 @@ def sglang_pool_group(pool, *, layers=None, scales="auto", read_bytes: int | Non
     """A :class:`PoolGroup` for one MHA or MLA pool; its slots are the buffers' rows (slot 0 is
     SGLang's padding slot, which kvcanary never verifies). ``fingerprint=False``: no real-KV
     sources (identity checks only)."""
-    if not fingerprint:
+    if not boolean("fingerprint", fingerprint):
         return PoolGroup(_num_slots(pool), (), (), halves=("K",))
     k, v = sglang_sources(pool, layers=layers, scales=scales, read_bytes=read_bytes)
     halves = ("K", "V") if v else ("K",)
@@ -124,14 +146,17 @@ def sglang_groups(pool, *, layers=None, swa_layers=None, window: int | None = No
     if not is_swa_pool(pool):
         return sglang_pool_group(pool, layers=layers, **opts), None
     window = window if window is not None else getattr(pool, "sliding_window_size", None)
+    if window is not None:
+        integer("window", window, fix="pass window=model_runner.sliding_window_size (the sliding window in tokens)")
     if window is None or int(window) < 1:
         raise ValidationError(f"kv-canary: a hybrid SWA pool needs window= (the sliding window in tokens), got "
                               f"{window!r}: SGLang's SWAKVPool does not carry it; fix: pass "
                               f"window=model_runner.sliding_window_size (or the model config's sliding_window)")
     mapping = getattr(pool, "full_to_swa_index_mapping", None)
     if mapping is None:
-        raise ValidationError("kv-canary: the SWA pool has no full_to_swa_index_mapping yet; fix: build the "
-                              "canary after the SWA allocator registered its mapping (register_mapping)")
+        raise ValidationError("kv-canary: the SWA pool must have its full_to_swa_index_mapping, got None (not "
+                              "registered yet); fix: build the canary after the SWA allocator registered its mapping "
+                              "(register_mapping)")
     full = sglang_pool_group(pool.full_kv_pool, layers=layers, **opts)
     swa = sglang_pool_group(pool.swa_kv_pool, layers=swa_layers, **opts)
     swa.window, swa.full_to_swa = int(window), astype(mapping, "int64")
@@ -142,6 +167,7 @@ def sglang_canary(pool, *, layers=None, swa_layers=None, window: int | None = No
                   read_bytes: int | None = None, fingerprint: bool = True, device="auto", **kwargs) -> KvCanary:
     """A :class:`KvCanary` shadowing ``pool`` on the pool's device (host pools run the CPU
     reference). Other keyword arguments go to :class:`KvCanary` (hash_mode, mode, max_batch, ...)."""
+    canary_kwargs(kwargs, "sglang_canary")
     full, swa = sglang_groups(pool, layers=layers, swa_layers=swa_layers, window=window, scales=scales,
                               read_bytes=read_bytes, fingerprint=fingerprint)
     if device == "auto":

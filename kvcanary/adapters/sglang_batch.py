@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from ..errors import ValidationError
 from ..plan import Batch
+from ..validate import integer
 from .common import arange, astype, require_attr, where, zeros
 
 _FIX = "pass the ForwardBatch the model runner forwards (SGLang's forward_batch_info.ForwardBatch)"
@@ -37,27 +38,29 @@ def _lengths(fb, seq):
     if name == "TARGET_VERIFY":
         spec = require_attr(fb, "spec_info", "a TARGET_VERIFY ForwardBatch", _FIX)
         what = f"the TARGET_VERIFY spec_info ({type(spec).__name__})"
-        drafts = int(require_attr(spec, "draft_token_num", what, "pass an EagleVerifyInput-style spec_info"))
+        drafts = integer("spec_info.draft_token_num", require_attr(spec, "draft_token_num", what,
+                                                                   "pass an EagleVerifyInput-style spec_info"),
+                         lo=1, fix="pass the EagleVerifyInput the verify step runs with")
         topk = getattr(spec, "topk", 1)
-        if topk is not None and int(topk) > 1:
-            raise ValidationError(f"kv-canary: TARGET_VERIFY with tree drafts (spec_info.topk={topk}) has no single "
-                                  f"token order per request for the hash chain; expected chain drafts (topk=1); "
+        if topk is not None and integer("spec_info.topk", topk, lo=1, fix="pass the spec_info of the step") > 1:
+            raise ValidationError(f"kv-canary: TARGET_VERIFY needs chain drafts (topk=1: one token order per request "
+                                  f"for the hash chain), got tree drafts (spec_info.topk={topk}); "
                                   f"fix: --speculative-eagle-topk 1, or run the canary on non-verify steps only")
         bs, tokens = int(fb.req_pool_indices.shape[0]), int(fb.input_ids.shape[0])
         if tokens != bs * drafts:
             raise ValidationError(f"kv-canary: a TARGET_VERIFY batch of {bs} requests x draft_token_num={drafts} "
-                                  f"should carry {bs * drafts} tokens, got {tokens} input_ids; {_FIX}")
+                                  f"should carry {bs * drafts} tokens, got {tokens} input_ids; fix: {_FIX}")
         return seq, seq * 0 + drafts
     ext = getattr(fb, "extend_seq_lens", None)
     if name == "DRAFT_EXTEND_V2" or name in _EXTEND_MODES:
         if ext is None:
-            raise ValidationError(f"kv-canary: a {name} ForwardBatch must carry extend_seq_lens, got None; {_FIX}")
+            raise ValidationError(f"kv-canary: a {name} ForwardBatch must carry extend_seq_lens, got None; fix: {_FIX}")
         extend = astype(ext, "int64")
         pre = None if name == "DRAFT_EXTEND_V2" else getattr(fb, "extend_prefix_lens", None)
         return (seq - extend if pre is None else astype(pre, "int64")), extend
     raise ValidationError(f"kv-canary: forward_mode {name} is not a mode the canary checks (expected DECODE, IDLE, "
-                          f"TARGET_VERIFY, DRAFT_EXTEND_V2, {', '.join(_EXTEND_MODES)}); fix: run the canary only "
-                          f"on batches that write KV through the model")
+                          f"TARGET_VERIFY, DRAFT_EXTEND_V2, {', '.join(_EXTEND_MODES)}; got {name}); fix: run the "
+                          f"canary only on batches that write KV through the model")
 
 
 def _sources(req_to_token, translator):
@@ -105,9 +108,10 @@ def sglang_batch(forward_batch, req_to_token, *, full_to_swa=None, kv_index_tran
     if translator is not None and getattr(translator, "is_translating", False):
         table = translator.index_table_for_batch(fb)
         if full_to_swa is not None or getattr(table, "sliding_window_ids", None) is not None:
-            raise ValidationError("kv-canary: a unified-memory pool with a sliding-window id space translates full and "
-                                  "SWA ids separately, which the canary's full_to_swa map cannot express; fix: run "
-                                  "the canary without --enable-unified-memory on hybrid SWA models")
+            raise ValidationError("kv-canary: expected one id space for full and SWA slots, got a unified-memory "
+                                  "pool with a sliding-window id space (full and SWA ids translated separately, which "
+                                  "the canary's full_to_swa map cannot express); fix: run the canary without "
+                                  "--enable-unified-memory on hybrid SWA models")
         bs = int(rows.shape[0])
         rtt, rows = _translated_rows(table, bs), arange(rows, 1, bs + 1)
     loc = astype(fb.out_cache_loc, "int64")

@@ -31,9 +31,12 @@ import warnings
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
-from ..errors import ValidationError
+from ..errors import ValidationError, ValidationTypeError
 from ..manager import KvCanary, PoolGroup
 from ..plan import Batch
+from ..reporting import MODES
+from ..validate import boolean, callable_or_none, choice, fail, hash_mode as parse_hash_mode
+from .common import canary_kwargs, check_layers
 from .transformers_layout import PagedLayout, check_transformers_version
 
 
@@ -72,7 +75,11 @@ def _tokens(state, start: int, count: int) -> list[int]:
 
 
 def _installed_transformers() -> str:
-    import transformers
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ValidationError(f"kv-canary: TransformersCanary needs transformers installed, got {type(exc).__name__}: "
+                              f"{exc}. Fix: pip install 'kvcanary[transformers]'") from None
     return transformers.__version__
 
 
@@ -92,6 +99,16 @@ class TransformersCanary:
     def __init__(self, model, *, layers=None, hash_mode: str = "partial", mode: str = "log",
                  check_inputs: bool = True, before_step=None, after_step=None, **kvcanary_kwargs):
         self.transformers_version = check_transformers_version(_installed_transformers())
+        if not callable(getattr(model, "init_continuous_batching", None)):
+            fail("TransformersCanary(model)", "a transformers model with init_continuous_batching", model,
+                 "pass the PreTrainedModel you call generate_batch on", kind=ValidationTypeError)
+        parse_hash_mode(hash_mode)
+        choice("mode", mode, MODES)
+        check_layers(layers)
+        boolean("check_inputs", check_inputs)
+        callable_or_none("before_step", before_step)
+        callable_or_none("after_step", after_step)
+        canary_kwargs(kvcanary_kwargs, "TransformersCanary", ("device", "hash_mode", "mode", "max_batch", "export"))
         self.model, self.layers, self.hash_mode, self.mode = model, layers, hash_mode, mode
         self.check_inputs, self.before_step, self.after_step = check_inputs, before_step, after_step
         self.kvcanary_kwargs = kvcanary_kwargs

@@ -21,13 +21,29 @@ reads it.
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..arrays import as_view
-from ..errors import ValidationError
+from ..errors import ValidationError, ValidationTypeError
 from ..manager import KvCanary, PoolGroup
 from ..plan import Batch
 from ..sources import resolved
-from .common import arange, astype, check_sizes, device_ordinal, require_attr, select_layers, where, zeros
+from ..validate import boolean, fail, integer, is_int, optional_integer
+from .common import arange, astype, canary_kwargs, check_sizes, device_ordinal, require_attr, select_layers, where, zeros
 from .vllm_layout import detect
+
+
+def _int_array(name: str, value, ndim: int, dtype=None):
+    """The view of an integer array argument (metadata only: no element is read)."""
+    v = as_view(value, name=name)
+    want = "an integer dtype" if dtype is None else f"dtype {np.dtype(dtype).name}"
+    if v.dtype.kind not in "iu" or (dtype is not None and v.dtype != np.dtype(dtype)):
+        raise ValidationTypeError(f"kv-canary: {name} must have {want}, got {v.dtype_name}. Fix: pass the "
+                                  f"engine's own {name}" + ("" if dtype is None else f", allocated as {want}"))
+    if v.ndim != ndim:
+        raise ValidationError(f"kv-canary: {name} must be {ndim}-D, got shape {v.shape}. Fix: pass the "
+                              f"metadata's {name} itself")
+    return v
 
 
 def vllm_layer_layout(cache, *, layout=None, kv_dim="auto", head_size=None, head_size_v=None):
@@ -35,6 +51,11 @@ def vllm_layer_layout(cache, *, layout=None, kv_dim="auto", head_size=None, head
     spelling for a cache without a K/V dimension) means ``layout="flat"``."""
     if kv_dim is None and layout is None:
         layout, kv_dim = "flat", "auto"
+    if kv_dim is not None and kv_dim != "auto" and not is_int(kv_dim):
+        fail("kv_dim", "'auto', 0 or 1", kv_dim, "kv_dim=0 for [2, blocks, ...], kv_dim=1 for [blocks, 2, ...]",
+             kind=ValidationTypeError)
+    optional_integer("head_size", head_size, lo=1, fix="pass the K head size in elements")
+    optional_integer("head_size_v", head_size_v, lo=0, fix="pass the V head size in elements (0 for MLA)")
     v = resolved(as_view(cache, name="vLLM cache"))
     return detect(v, layout=layout, kv_dim=kv_dim, head_size=head_size, head_size_v=head_size_v)
 
@@ -62,14 +83,15 @@ def vllm_pool_group(kv_caches, *, layers=None, layout=None, kv_dim="auto", head_
     one tensor). ``layers``: None/"first", "all" or a list of layer indices. ``fingerprint=False``
     builds no real-KV sources (identity checks only), for caches whose tokens cannot be read as
     16-byte words (e.g. fp8_ds_mla's 584 B per token)."""
+    boolean("fingerprint", fingerprint)
     caches = _layers(kv_caches)
     chosen = select_layers(len(caches), layers, what="vLLM cache list")
     found = [vllm_layer_layout(caches[i], layout=layout, kv_dim=kv_dim, head_size=head_size,
                                head_size_v=head_size_v) for i in chosen]
     slots = check_sizes([f.num_slots for f in found], "vLLM cache list")
     if len({len(f.halves) for f in found}) != 1:
-        raise ValidationError(f"kv-canary: mix of caches with one and two halves ({[f.name for f in found]}); "
-                              f"fix: pass the layers of one KV cache group")
+        raise ValidationError(f"kv-canary: the layers must all have one half or all two, got a mix of "
+                              f"{[f.name for f in found]}; fix: pass the layers of one KV cache group")
     if not fingerprint:
         return PoolGroup(slots, (), (), halves=("K",))
     pairs = [f.sources(read_bytes) for f in found]
@@ -81,6 +103,7 @@ def vllm_pool_group(kv_caches, *, layers=None, layout=None, kv_dim="auto", head_
 def vllm_canary(kv_caches, *, layers=None, layout=None, kv_dim="auto", head_size=None, head_size_v=None,
                 read_bytes: int | None = None, fingerprint: bool = True, device="auto", **kwargs) -> KvCanary:
     """A :class:`KvCanary` over vLLM-style caches; keyword arguments go to :class:`KvCanary`."""
+    canary_kwargs(kwargs, "vllm_canary")
     group = vllm_pool_group(kv_caches, layers=layers, layout=layout, kv_dim=kv_dim, head_size=head_size,
                             head_size_v=head_size_v, read_bytes=read_bytes, fingerprint=fingerprint)
     if device == "auto":
@@ -98,12 +121,24 @@ def block_table_to_req_to_token(block_table, seq_lens, block_size: int, *, max_l
     back to the host. ``max_len`` defaults to ``max_blocks * block_size`` (may not exceed it). ``out``
     (int32, ``[>= bs + 1, max_len]``, same device) is filled in place and returned, so a captured
     CUDA graph keeps one address; otherwise a new array is returned."""
-    n, max_blocks = (int(d) for d in block_table.shape)
-    cap = max_blocks * int(block_size)
-    length = cap if max_len is None else int(max_len)
-    if block_size < 1 or not 0 < length <= cap:
-        raise ValidationError(f"kv-canary: need block_size >= 1 and 0 < max_len <= max_blocks * block_size "
-                              f"({max_blocks} * {block_size}), got block_size={block_size}, max_len={max_len}")
+    block_size = integer("block_size", block_size, lo=1, fix="pass the cache's tokens per block, e.g. 16")
+    bt = _int_array("block_table", block_table, 2)
+    n, max_blocks = bt.shape
+    seq = _int_array("seq_lens", seq_lens, 1)
+    if seq.shape[0] < n:
+        raise ValidationError(f"kv-canary: seq_lens must have one length per block-table row (>= {n}), got "
+                              f"{seq.shape[0]}. Fix: pass the seq_lens of the same step")
+    cap = max_blocks * block_size
+    length = cap if max_len is None else integer("max_len", max_len, lo=1, hi=max(cap, 1),
+                                                 fix=f"pass at most max_blocks * block_size = {cap}, or None")
+    if length < 1:
+        raise ValidationError(f"kv-canary: block_table must have at least one block per row, got shape {bt.shape}. "
+                              f"Fix: pass the metadata's block table")
+    if out is not None:
+        o = _int_array("out", out, 2, dtype=np.int32)
+        if o.shape[0] < n + 1 or o.shape[1] != length:
+            raise ValidationError(f"kv-canary: out must have shape (>= {n + 1}, {length}), got {o.shape}. Fix: "
+                                  f"allocate it as int32 [max_batch + 1, max_len]")
     pos = arange(block_table, 0, length)
     blocks = astype(block_table[:, pos // block_size], "int64")
     slots = blocks * block_size + pos % block_size
@@ -111,8 +146,6 @@ def block_table_to_req_to_token(block_table, seq_lens, block_size: int, *, max_l
     slots = astype(where(live, slots, 0), "int32")
     if out is None:
         out = zeros(block_table, (n + 1, length), "int32")
-    elif out.shape[0] < n + 1 or out.shape[1] != length:
-        raise ValidationError(f"kv-canary: out must have shape (>= {n + 1}, {length}), got {tuple(out.shape)}")
     out[0] = 0
     out[1:n + 1] = slots
     return out
@@ -128,8 +161,14 @@ def vllm_batch(*, block_table, seq_lens, query_start_loc, slot_mapping, input_id
     padding, skipped). Request r gets request-pool row r + 1 (row 0 is padding). ``num_reqs`` and
     ``num_tokens`` trim padded metadata; ``req_to_token`` is an optional preallocated output for
     :func:`block_table_to_req_to_token`."""
-    rows = min(int(block_table.shape[0]), int(query_start_loc.shape[0]) - 1)
-    n = rows if num_reqs is None else int(num_reqs)
+    block_size = integer("block_size", block_size, lo=1, fix="pass the cache's tokens per block, e.g. 16")
+    qsl_view, bt_view = _int_array("query_start_loc", query_start_loc, 1), _int_array("block_table", block_table, 2)
+    tokens = min(_int_array(k, v, 1).shape[0] for k, v in (("slot_mapping", slot_mapping), ("input_ids", input_ids),
+                                                          ("positions", positions)))
+    rows = min(bt_view.shape[0], qsl_view.shape[0] - 1)
+    n = rows if num_reqs is None else integer("num_reqs", num_reqs, lo=0, hi=max(rows, 0),
+                                              fix=f"pass at most the {rows} requests the metadata holds")
+    optional_integer("num_tokens", num_tokens, lo=0, hi=tokens, fix=f"pass at most the {tokens} tokens given")
     qsl = astype(query_start_loc[:n + 1], "int64")
     extend = qsl[1:] - qsl[:-1]
     seq = astype(seq_lens[:n], "int64")
@@ -155,17 +194,21 @@ def vllm_metadata(attn_metadata, layer_name: str | None = None):
                               f"from attn_metadata[i] with that micro-batch's tokens")
     if isinstance(attn_metadata, dict):
         if not attn_metadata:
-            raise ValidationError("kv-canary: attn_metadata is an empty dict (no attention this step, e.g. a "
-                                  "profiling run); fix: skip the canary for this step")
+            raise ValidationError("kv-canary: attn_metadata must hold a layer's metadata, got an empty dict (no "
+                                  "attention this step, e.g. a profiling run); fix: skip the canary for this step")
         if layer_name is not None:
+            if not isinstance(layer_name, str):
+                raise ValidationTypeError(f"kv-canary: layer_name must be a layer name (str), got "
+                                          f"{type(layer_name).__name__}. Fix: pass e.g. {next(iter(attn_metadata))!r}")
             if layer_name not in attn_metadata:
                 raise ValidationError(f"kv-canary: attn_metadata has no layer {layer_name!r}; expected one of "
-                                      f"{list(attn_metadata)[:8]}...; fix: pass a layer name of the shadowed group")
+                                      f"{list(attn_metadata)[:8]}..., got {layer_name!r}; fix: pass a layer name of "
+                                      f"the shadowed group")
             return attn_metadata[layer_name]
         distinct = {id(m): m for m in attn_metadata.values()}
         if len(distinct) > 1:
-            raise ValidationError(f"kv-canary: attn_metadata holds {len(distinct)} different metadata objects "
-                                  f"(several KV cache groups); fix: pass layer_name= a layer of the group the "
+            raise ValidationError(f"kv-canary: expected one KV cache group's metadata, got {len(distinct)} different "
+                                  f"metadata objects (several KV cache groups); fix: pass layer_name= a layer of the group the "
                                   f"canary shadows, e.g. {next(iter(attn_metadata))!r}")
         return next(iter(distinct.values()))
     return attn_metadata

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..arrays import from_pointer
-from ..errors import ValidationError
+from ..errors import ValidationError, ValidationTypeError
 from ..sources import RealKvSource
 
 #: vLLM's ``KVCacheLayout`` members -> physical order (outer to inner) of a layer view's
@@ -70,15 +70,16 @@ class LayerLayout:
         what = f"{'KV'[i]} half of a vLLM {self.name} cache"
         if h.token_stride % 16 or h.row_stride % 16 or h.ptr % 16:
             raise ValidationError(
-                f"kv-canary: the {what} places tokens {h.token_stride} bytes apart (rows {h.row_stride} bytes, "
+                f"kv-canary: the {what} must place tokens a multiple of 16 bytes apart, got tokens "
+                f"{h.token_stride} bytes apart (rows {h.row_stride} bytes, "
                 f"base 0x{h.ptr:x}); kvcanary fingerprints 16-byte words at 16-byte aligned addresses, so token "
                 f"strides that are not a multiple of 16 (e.g. fp8_ds_mla's 584 B) cannot be read in place; "
                 f"{FINGERPRINT_FIX}")
         limit = h.max_read if read_bytes is None else min(int(read_bytes), h.max_read)
         limit -= limit % 16
         if limit <= 0:
-            raise ValidationError(f"kv-canary: the {what} has {h.max_read} contiguous bytes per token, fewer than "
-                                  f"the 16 a fingerprint reads; {FINGERPRINT_FIX}")
+            raise ValidationError(f"kv-canary: the {what} must have at least the 16 contiguous bytes per token a "
+                                  f"fingerprint reads, got {h.max_read}; {FINGERPRINT_FIX}")
         rows = from_pointer(h.ptr, (self.num_blocks, self.block_size * h.token_stride), np.uint8,
                             device=self.device, strides=(h.row_stride, 1), readonly=False, owner=self.owner)
         return RealKvSource(rows, self.block_size, h.token_stride, limit)
@@ -91,14 +92,15 @@ def resolve_layout_name(layout) -> str | None:
         return None
     name = getattr(layout, "name", layout)
     if not isinstance(name, str):
-        raise ValidationError(f"kv-canary: layout must be None, 'auto', 'packed', 'split', 'flat' or a vLLM "
-                              f"KVCacheLayout (member or name), got {layout!r}")
+        raise ValidationTypeError(f"kv-canary: layout must be None, 'auto', 'packed', 'split', 'flat' or a vLLM "
+                                  f"KVCacheLayout (member or name), got {layout!r}. Fix: pass "
+                                  f"layout=vllm_config.cache_config.kv_cache_layout")
     upper = name.upper()
     name = _ALIASES.get(upper, upper) if upper in _ALIASES or upper in KV_CACHE_LAYOUTS else name.lower()
     if name not in KV_CACHE_LAYOUTS and name not in _KINDS:
         raise ValidationError(f"kv-canary: unknown layout {layout!r}; expected one of {list(_KINDS)} or a "
-                              f"KVCacheLayout name {list(KV_CACHE_LAYOUTS)} (aliases NHD, HND); fix: pass "
-                              f"layout=vllm_config.cache_config.kv_cache_layout")
+                              f"KVCacheLayout name {list(KV_CACHE_LAYOUTS)} (aliases NHD, HND), got {layout!r}; fix: "
+                              f"pass layout=vllm_config.cache_config.kv_cache_layout")
     return name
 
 
@@ -171,13 +173,14 @@ def _split(v, kv_dim):
     if kv_dim == "auto":
         first, second = v.shape[0] == 2, v.shape[1] == 2
         if first == second:
-            raise ValidationError(f"kv-canary: cannot tell the K/V dimension of a cache of shape {tuple(v.shape)}; "
+            raise ValidationError(f"kv-canary: cannot tell the K/V dimension of a cache, got shape {tuple(v.shape)}; "
                                   f"fix: pass kv_dim=0 for [2, blocks, block_size, heads, dim] or kv_dim=1 for "
                                   f"[blocks, 2, block_size, heads, dim]")
         kv_dim = 0 if first else 1
     if kv_dim not in (0, 1) or v.shape[kv_dim] != 2:
         raise ValidationError(f"kv-canary: kv_dim={kv_dim} must name a dimension of extent 2 (0 or 1) of a 5-D "
-                              f"cache, got shape {tuple(v.shape)}")
+                              f"cache, got shape {tuple(v.shape)}. Fix: kv_dim=0 for [2, blocks, ...], kv_dim=1 for "
+                              f"[blocks, 2, ...], or kv_dim='auto'")
     shape = v.shape[:kv_dim] + v.shape[kv_dim + 1:]
     strides = v.strides[:kv_dim] + v.strides[kv_dim + 1:]
     halves = tuple(_flat_half(v, v.ptr + k * v.strides[kv_dim], shape, strides) for k in (0, 1))
@@ -209,7 +212,7 @@ def detect(v, *, layout=None, kv_dim="auto", head_size=None, head_size_v=None) -
             f"{'as ' + repr(layout) + ' ' if name else ''}got {got}{hint}; fix: pass the runner's own per-layer cache "
             f"tensor and layout=vllm_config.cache_config.kv_cache_layout (head_size_v=0 for MLA)")
     raise ValidationError(
-        f"kv-canary: ambiguous vLLM layer cache layout ({got}): it could be {' or '.join(r.name for r in found)} "
+        f"kv-canary: ambiguous vLLM layer cache layout (got {got}): it could be {' or '.join(r.name for r in found)} "
         f"([num_blocks, heads, block_size, 2 * head_size] or [num_blocks, block_size, heads, head_size]); fix: pass "
         f"layout=vllm_config.cache_config.kv_cache_layout for vLLM's packed caches (head_size_v=0 for MLA), or "
         f"layout='flat'")
