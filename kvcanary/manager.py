@@ -224,9 +224,6 @@ class KvCanary:
         graph (those launches count when the graph is replayed: :meth:`record_replay`)."""
         if self.mode == "none":
             return None
-        if not isinstance(batch, Batch):
-            raise ValidationError(f"kv-canary: {STAGES[k].lower()} needs a kvcanary.Batch, got "
-                                  f"{type(batch).__name__}. Fix: build one with kvcanary.Batch(...) or an adapter")
         s = self.backend.stream(stream, batch)
         if not self.backend.cached_launches:
             self._pack(batch, STAGES[k], s)  # the reference runs while packing
