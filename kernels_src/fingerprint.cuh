@@ -1,4 +1,4 @@
-// Real-KV fingerprints for the verify kernels (SPEC §3, §4): a lane's own strips one 16-byte load
+// Real-KV fingerprints for the verify kernels (docs/format.md §3, §4): a lane's own strips one 16-byte load
 // at a time (short strips), or a warp's 32 strips fetched together with cp.async, a 128-byte line
 // of each strip per round straight into shared memory, every lane folding its own strip there.
 #pragma once

@@ -1,4 +1,4 @@
-// The pump's status snapshot (SPEC §10). Launched once per step on the step's stream, after the
+// The pump's status snapshot (docs/format.md §10). Launched once per step on the step's stream, after the
 // step's canary launches: copies the int64 status block (ring write index, per-launch counters,
 // plan flags) into one FIFO slot of pinned host memory mapped for the device, then writes the
 // slot's completion word, which the host polls with plain loads (no driver call).

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 FORMAT_VERSION = 1
 
-# ---- canary buffer (SPEC §2) -------------------------------------------------------------------
+# ---- canary buffer (docs/format.md §2) -------------------------------------------------------------------
 SLOT_BYTES = 32
 FIELD_TOKEN = 0
 FIELD_POSITION = 1
@@ -24,7 +24,7 @@ FIELD_REAL_KV_HASH = 3
 FIELDS_PER_SLOT = 4
 PADDING_SLOT = 0
 
-# ---- hashing (SPEC §3) ----------------------------------------------------------------------------
+# ---- hashing (docs/format.md §3) ----------------------------------------------------------------------------
 ANCHOR = 0xC0FFEE1234567890
 SM_MUL1 = 0xBF58476D1CE4E5B9
 SM_MUL2 = 0x94D049BB133111EB
@@ -32,7 +32,7 @@ SM_SHIFT1, SM_SHIFT2, SM_SHIFT3 = 30, 27, 31
 PARTIAL_HASH_BYTES = 16
 REAL_KV_ALIGN = 16
 
-# ---- violation ring (SPEC §5) ----------------------------------------------------------------------
+# ---- violation ring (docs/format.md §5) ----------------------------------------------------------------------
 RING_COLS = 8
 COL_KERNEL_KIND = 0
 COL_SLOT_IDX = 1
@@ -124,14 +124,14 @@ class LaunchTag(enum.IntEnum):
 
 
 class HashMode(enum.IntEnum):
-    """How much of each real-KV source strip is fingerprinted (SPEC §3)."""
+    """How much of each real-KV source strip is fingerprinted (docs/format.md §3)."""
 
     NONE = 0
     PARTIAL = 1
     ALL = 2
 
 
-# ---- status block (SPEC §10) ---------------------------------------------------------------
+# ---- status block (docs/format.md §10) ---------------------------------------------------------------
 # int64 cells the kernels count into and the pump snapshots once per step: three fixed cells,
 # then (kernel runs, slot runs) per verify context, then (num_valid, enable) per plan (their low
 # int32 halves are the plan's int32 [1] arrays).
@@ -247,7 +247,7 @@ WRITE_PARAMS = StructDecl("KvcWriteParams", COMMON + (
     _F("chain_position_assert", "ptr:const int"),      # 0 when not given (assert off)
 ))
 
-# The engine's batch, as the plan builder and the fused verify read it (SPEC §8).
+# The engine's batch, as the plan builder and the fused verify read it (docs/format.md §8).
 _BATCH = (
     _F("req_pool_indices", "ptr:const long long"),
     _F("prefix_lens", "ptr:const long long"),
@@ -303,7 +303,7 @@ PROBE_PARAMS = StructDecl("KvcProbeParams", (
     _F("sources", "struct:KvcSourceDesc", 2),
 ))
 
-# The pump's status snapshot (SPEC §10): one launch per step copies the status block into a slot
+# The pump's status snapshot (docs/format.md §10): one launch per step copies the status block into a slot
 # of mapped pinned host memory, then writes the slot's completion word (pump.cu).
 SNAPSHOT_PARAMS = StructDecl("KvcSnapshotParams", (
     _F("status", "ptr:const long long"),    # the int64 status block (device memory)

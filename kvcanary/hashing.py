@@ -1,4 +1,4 @@
-"""The format-v1 hash functions (SPEC §3), on Python ints and on numpy arrays.
+"""The format-v1 hash functions (docs/format.md §3), on Python ints and on numpy arrays.
 
 ``sm`` is the splitmix64 finaliser and ``mix3(a, b, c) = sm(sm(sm(a) ^ b) ^ c)``; both work mod
 2^64 and read signed (int64) inputs as their uint64 bit pattern. The numpy variants return uint64

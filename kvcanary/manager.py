@@ -1,4 +1,4 @@
-"""KvCanary: the object a serving engine holds (SPEC §6, §8-§10).
+"""KvCanary: the object a serving engine holds (docs/format.md §6, §8-§10).
 
 Per pool group (FULL and optionally SWA) and per half (K, V) it keeps two canary buffers: HEAD,
 stamped before the forward without fingerprints (the new tokens' KV does not exist yet), and
@@ -428,7 +428,7 @@ class KvCanary:
 
     def add_listener(self, callback) -> None:
         """Call ``callback(record)`` with every record the export target gets: one dict per
-        violation (``type="violation"``, the fields of SPEC §10 plus ``step``) and one per
+        violation (``type="violation"``, the fields of docs/format.md §10 plus ``step``) and one per
         reported step (``type="stats"``, the keys of :meth:`stats`). A listener that raises is
         logged once and counted in ``export_errors``; no listener costs nothing."""
         if not callable(callback):

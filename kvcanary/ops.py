@@ -92,7 +92,7 @@ def _check_plan_device(ctx: VerifyContext, plan: StepPlan) -> None:
 
 # ---- verify --------------------------------------------------------------------------------------
 def verify(ctx: VerifyContext, plan: StepPlan, *, check_expected_token: bool = False, stream=None) -> None:
-    """Verify the materialised plan's entries against ``ctx`` (SPEC §6). Read-only on the buffer."""
+    """Verify the materialised plan's entries against ``ctx`` (docs/format.md §6). Read-only on the buffer."""
     launch = prepare_verify(ctx, plan, check_expected_token=check_expected_token, stream=stream)
     if launch is not None:
         launch()
@@ -129,7 +129,7 @@ def prepare_verify(ctx: VerifyContext, plan: StepPlan, *, check_expected_token: 
 # ---- write ---------------------------------------------------------------------------------------
 def write(ctx: VerifyContext, plan: StepPlan, input_ids, positions, out_cache_loc, *,
           expected_input_ids=None, expected_positions=None, stream=None) -> None:
-    """Stamp new tokens into ``ctx``'s buffer along the write plan (SPEC §7)."""
+    """Stamp new tokens into ``ctx``'s buffer along the write plan (docs/format.md §7)."""
     launch = prepare_write(ctx, plan, input_ids, positions, out_cache_loc, stream=stream,
                            expected_input_ids=expected_input_ids, expected_positions=expected_positions)
     if launch is not None:
@@ -217,7 +217,7 @@ def _batch_views(batch: Batch, plan: StepPlan, swa_window, swa_map) -> tuple[dic
 
 def build_plan(batch: Batch, plan: StepPlan, *, swa_window: int = 0, swa_map=None, ctx: VerifyContext | None = None,
                stream=None) -> None:
-    """Fill ``plan`` from ``batch`` (SPEC §8): WritePlan, entry offsets, overflow rule, and the
+    """Fill ``plan`` from ``batch`` (docs/format.md §8): WritePlan, entry offsets, overflow rule, and the
     per-entry VerifyPlan when the plan is materialised. Batch values the device finds out of range
     are reported through ``ctx``'s sink (tag ``ctx.tag``), else through ``plan.reject_sink``."""
     for launch in prepare_build_plan(batch, plan, swa_window=swa_window, swa_map=swa_map, ctx=ctx, stream=stream):

@@ -1,4 +1,4 @@
-"""Plans (SPEC §8): the engine's batch, and the device arrays one step's launches read.
+"""Plans (docs/format.md §8): the engine's batch, and the device arrays one step's launches read.
 
 :class:`Batch` holds numbers an engine already has; :class:`StepPlan` holds what the plan builder
 derives from them: the WritePlan, per-request verify-entry offsets (all the fused verify needs)

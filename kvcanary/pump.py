@@ -1,4 +1,4 @@
-"""Asynchronous violation pump (SPEC §10): the serving loop never waits on the canary.
+"""Asynchronous violation pump (docs/format.md §10): the serving loop never waits on the canary.
 
 Each step, one launch of ``kvc_snapshot`` (kernels_src/pump.cu) on the step's stream, after the
 step's launches, copies a small status block (ring write index, per-launch counters, plan flags)

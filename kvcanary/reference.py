@@ -1,7 +1,7 @@
 """The CPU reference backend: the executable spec of the verify, write and plan kernels.
 
 Every function takes numpy arrays shaped and typed like the device buffers of the CUDA ABI and
-mutates them in place exactly as the kernels mutate device memory (SPEC §5–§8): canary buffer
+mutates them in place exactly as the kernels mutate device memory (docs/format.md §5–§8): canary buffer
 uint8 ``[num_slots, stride]`` (stride >= 32, a multiple of 8, fields little-endian int64), plan
 arrays int64, flags and ``write_index`` int32 ``[1]``, counters int64 ``[1]``, ring int64
 ``[capacity, 8]``. Hashes are stored as int64 bit patterns. Nothing here raises on bad device
@@ -36,7 +36,7 @@ _GATHER_BYTES = 1 << 24  # bound on the temporary byte matrix of one fingerprint
 
 
 class RefSource(NamedTuple):
-    """One real-KV source as the reference reads it (SPEC §4), hash mode already resolved.
+    """One real-KV source as the reference reads it (docs/format.md §4), hash mode already resolved.
 
     ``data`` is uint8 2-D with a contiguous inner dimension; rows may be strided (a view into a
     larger buffer, never copied). Slot s reads ``hash_bytes`` bytes of row ``s // page_size``
@@ -75,7 +75,7 @@ def _source_hash(slots: np.ndarray, src: RefSource) -> np.ndarray:
 
 
 def fingerprint(slots, sources: Sequence[RefSource]) -> np.ndarray:
-    """Real-KV fingerprint (SPEC §3) of each slot in ``slots`` (int64, all >= 0) as uint64; 0 if no sources."""
+    """Real-KV fingerprint (docs/format.md §3) of each slot in ``slots`` (int64, all >= 0) as uint64; 0 if no sources."""
     slots = np.asarray(slots, dtype=np.int64).reshape(-1)
     total = np.zeros(len(slots), dtype=np.uint64)
     for src in sources:
@@ -95,7 +95,7 @@ def _slot_hash_words(words: np.ndarray, slots: np.ndarray) -> np.ndarray:
 
 
 def slot_hash(canary: np.ndarray, slots) -> np.ndarray:
-    """``slot_hash`` (SPEC §3) per slot as uint64: sm(ANCHOR) for s < 0; s must be < num_slots."""
+    """``slot_hash`` (docs/format.md §3) per slot as uint64: sm(ANCHOR) for s < 0; s must be < num_slots."""
     return _slot_hash_words(_words(canary), np.asarray(slots, dtype=np.int64).reshape(-1))
 
 
@@ -105,7 +105,7 @@ def _wrap_i32(x):
 
 
 def ring_append(ring: np.ndarray, write_index: np.ndarray, rows, claim=None, consumed=None) -> None:
-    """Append rows in order (SPEC §5), as ``kvc_record`` does.
+    """Append rows in order (docs/format.md §5), as ``kvc_record`` does.
 
     Format v1 (``claim`` None): for each row ``i = write_index[0]; write_index[0] += 1`` (int32
     wraparound), stored only if ``0 <= i < len(ring)`` (fill once). With an int64 ``[1]`` claim
@@ -141,7 +141,7 @@ def _rows(tag, *cols) -> np.ndarray:
     return out
 
 
-# ---- verify (SPEC §6) --------------------------------------------------------------------------------
+# ---- verify (docs/format.md §6) --------------------------------------------------------------------------------
 def verify(*, canary, slot, expected_token, expected_position, prev_slot, num_valid, enable, ring,
            write_index, kernel_run_counter, slot_run_counter, sources: Sequence[RefSource], tag,
            check_expected_token, claim=None, consumed=None) -> None:
@@ -164,7 +164,7 @@ def verify(*, canary, slot, expected_token, expected_position, prev_slot, num_va
 
 def check_entries(canary, slot, prev_slot, expected_token, expected_position, sources: Sequence[RefSource],
                   tag, check_expected_token) -> np.ndarray:
-    """The rows the checks of SPEC §6 step 3 give for plan entries, in entry order.
+    """The rows the checks of docs/format.md §6 step 3 give for plan entries, in entry order.
 
     An entry on slot 0 gives a PADDING_SLOT_READ row, one on a slot outside the buffer a
     SLOT_OUT_OF_RANGE row (slot, expected position, 0, -1, 0, 0). Predecessors: -1 is a chain
@@ -205,7 +205,7 @@ def check_entries(canary, slot, prev_slot, expected_token, expected_position, so
                  np.where(o, np.where(s[e] == 0, _PADDING, _OOB), bits[e]))
 
 
-# ---- write (SPEC §7) -----------------------------------------------------------------------------------
+# ---- write (docs/format.md §7) -----------------------------------------------------------------------------------
 def write(*, canary, offsets, seed, num_valid_reqs, input_ids, positions, out_cache_loc,
           expected_input_ids=None, expected_positions=None, chain_position_assert=None, ring,
           write_index, kernel_run_counter, slot_run_counter, sources: Sequence[RefSource],

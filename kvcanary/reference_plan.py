@@ -1,4 +1,4 @@
-"""The CPU reference of the plan builder and the fused verify (SPEC §8): the executable spec of
+"""The CPU reference of the plan builder and the fused verify (docs/format.md §8): the executable spec of
 kernels_src/plan.cu (kvc_prepare, kvc_expand) and of how kvc_fused_verify derives its entries.
 
 Inputs are numpy arrays shaped and typed like the kernels' (batch int64 ``[bs]``, req_to_token

@@ -1,4 +1,4 @@
-"""What happens to decoded violations and step stats: log, raise, export (SPEC §10), and the
+"""What happens to decoded violations and step stats: log, raise, export (docs/format.md §10), and the
 host's exact account of the violation ring.
 
 Nothing here can stop serving: an export target that fails (full disk, a raising callback or

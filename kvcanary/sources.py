@@ -1,4 +1,4 @@
-"""Real-KV sources (SPEC §4): which bytes of the live KV pool a fingerprint covers.
+"""Real-KV sources (docs/format.md §4): which bytes of the live KV pool a fingerprint covers.
 
 Validation here never touches the driver. :class:`RealKvSource` checks its numbers when built;
 :func:`marshal_sources` checks the array layout for a launch (or the CPU reference) and produces

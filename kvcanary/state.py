@@ -1,4 +1,4 @@
-"""Canary state: the canary buffer, the violation sink and the verify context (SPEC §2, §5).
+"""Canary state: the canary buffer, the violation sink and the verify context (docs/format.md §2, §5).
 
 State lives either in host memory (numpy; the CPU reference backend runs on it) or on one CUDA
 device (kernels run on it). ``allocate`` makes zeroed state through the library (no torch needed);
@@ -169,7 +169,7 @@ class ViolationSink:
 class VerifyContext:
     """What one launch tag verifies and writes: a buffer, a sink, the real-KV sources and mode.
 
-    Source pointers and the mode are fixed for the life of the context (SPEC §9): the ABI bytes
+    Source pointers and the mode are fixed for the life of the context (docs/format.md §9): the ABI bytes
     shared by every launch of the context are packed once here. ``chain_position_assert`` is an
     int32 [1] flag in the context's memory (set it with :meth:`set_chain_position_assert`).
     """

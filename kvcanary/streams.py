@@ -1,4 +1,4 @@
-"""Which CUDA stream a launch goes on (SPEC §9).
+"""Which CUDA stream a launch goes on (docs/format.md §9).
 
 An explicit stream always wins: an int handle, a torch/CuPy stream object (``cuda_stream`` /
 ``ptr``), or anything with ``__cuda_stream__``. Otherwise the current stream of the framework that

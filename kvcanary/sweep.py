@@ -1,4 +1,4 @@
-"""Host plans of a sweep (SPEC §6 entries the caller names): idle cached slots, their positions and
+"""Host plans of a sweep (docs/format.md §6 entries the caller names): idle cached slots, their positions and
 predecessors, validated before anything is staged. Values are not checked here: a slot or a
 predecessor out of range is the verify's to report (a SLOT_OUT_OF_RANGE row), as on the device."""
 

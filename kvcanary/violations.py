@@ -1,4 +1,4 @@
-"""Decoding of the violation ring (SPEC §10): records, the grep-able log line, JSON lines."""
+"""Decoding of the violation ring (docs/format.md §10): records, the grep-able log line, JSON lines."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def tag_name(tag: int) -> str:
 
 @dataclass(frozen=True)
 class Violation:
-    """One ring row. ``str()`` is the one-line log format of SPEC §10."""
+    """One ring row. ``str()`` is the one-line log format of docs/format.md §10."""
 
     tag: int
     slot: int

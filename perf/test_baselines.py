@@ -29,7 +29,7 @@ HOST_TARGET = ("<=", 1.3)
 
 
 def torch_verify(torch, canary, plan, n: int):
-    """Identity-only verify (SPEC §6) of plan entries [0, n) with torch ops; returns the number of
+    """Identity-only verify (docs/format.md §6) of plan entries [0, n) with torch ops; returns the number of
     violating entries as a device tensor."""
     def srl(x, k):  # logical right shift of int64 bit patterns
         return (x >> k) & ((1 << (64 - k)) - 1)

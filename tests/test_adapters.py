@@ -1,6 +1,6 @@
 """Engine adapters on the CPU: sources built from numpy stand-ins of SGLang- and vLLM-style pools
 fingerprint exactly the bytes of each slot (checked against fingerprints computed by hand from
-SPEC §3 through the reference), the block table expands to a hand-computed slot map, and whole
+docs/format.md §3 through the reference), the block table expands to a hand-computed slot map, and whole
 prefill + decode runs through a host KvCanary stay clean until a byte, a scale or a block table
 is corrupted, which is reported with the right tag and reason.
 
@@ -32,7 +32,7 @@ LENS = (20, 33, 7)   # prompt lengths of the simulated requests
 WINDOW = 8           # SWA window of the simulated hybrid pool
 
 
-# ---- fingerprints: by hand (SPEC §3) and through the adapters' sources ------------------------------
+# ---- fingerprints: by hand (docs/format.md §3) and through the adapters' sources ------------------------------
 def by_hand(strips: list[bytes]) -> int:
     total = 0
     for strip in strips:

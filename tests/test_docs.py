@@ -1,7 +1,7 @@
 """The documentation keeps working when copied: README.md and docs/*.md code blocks marked
 ``<!-- runnable -->`` run as written (CPU, numpy only); links resolve; docs/format.md names every
 ABI enum value, fail-reason bit, launch tag and stats() key the code has; docs/faults.md follows
-the campaign's coverage table; every "SPEC §N" / "format.md §N" cited in the code is a section."""
+the campaign's coverage table; every "docs/format.md §N" / "format.md §N" cited in the code is a section."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""SPEC §3 hashing: pinned vectors typed in by hand, and the numpy variants against the int ones."""
+"""docs/format.md §3 hashing: pinned vectors typed in by hand, and the numpy variants against the int ones."""
 
 import numpy as np
 from hypothesis import given, settings

@@ -7,7 +7,7 @@
   full" is logged once per new overflow;
 - four threads stepping one KvCanary lose no violation.
 
-Every violation here is a write assert (SPEC §7): a token whose ``expected_input_ids`` entry differs
+Every violation here is a write assert (docs/format.md §7): a token whose ``expected_input_ids`` entry differs
 is one WRITE_TOKEN row in each of the step's four write launches (HEAD and TAIL, K and V).
 """
 

@@ -1,4 +1,4 @@
-"""The reference plan builder (SPEC §8) on hand-written batches, and plans driving write/verify."""
+"""The reference plan builder (docs/format.md §8) on hand-written batches, and plans driving write/verify."""
 
 import numpy as np
 import pytest
@@ -60,7 +60,7 @@ def batch_row(request, field, value, bound, slot=-1, tag=0):
 
 
 def test_rows_outside_the_request_pool_are_rejected_not_padding():
-    # SPEC §8: only row 0 is padding; -1 and 9 (past req_to_token's 4 rows) are engine bugs:
+    # docs/format.md §8: only row 0 is padding; -1 and 9 (past req_to_token's 4 rows) are engine bugs:
     # reported, no entries, their tokens owned but never stamped (seed SEED_INVALID + field)
     rows = []
     v, w = plan([0, 2, -1, 3, 9], [3, 2, 2, 1, 4], [1, 3, 1, 0, 2], report=rows.append)

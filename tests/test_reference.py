@@ -1,4 +1,4 @@
-"""The CPU reference backend against SPEC §3–§7: hand-computed chains, properties, corruptions."""
+"""The CPU reference backend against docs/format.md §3–§7: hand-computed chains, properties, corruptions."""
 
 import time
 
@@ -20,7 +20,7 @@ TOKEN = int(FailReason.VERIFY_TOKEN_MISMATCH)
 OOB = int(FailReason.SLOT_OUT_OF_RANGE)
 PADDING = int(FailReason.PADDING_SLOT_READ)
 HEAD, TAIL = int(LaunchTag.HEAD_K_FULL), int(LaunchTag.TAIL_V_SWA)
-ANCHOR_H = 0xDE7FAE23A9A1B716  # sm(ANCHOR), pinned in SPEC §3
+ANCHOR_H = 0xDE7FAE23A9A1B716  # sm(ANCHOR), pinned in docs/format.md §3
 
 
 class Ctx:
@@ -348,7 +348,7 @@ def test_predecessor_slot_zero_means_unchecked_chain():
 
 
 def test_slot_zero_entries_are_reported_and_counted():
-    # SPEC §6/§8: a plan entry is a real request's, and a real request never reads the padding slot
+    # docs/format.md §6/§8: a plan entry is a real request's, and a real request never reads the padding slot
     ctx = Ctx(8)
     ctx.set_field(0, 0, 5)
     ctx.verify([(0, 1, 2, 3), (0, 9, 9, -1)])
@@ -466,7 +466,7 @@ def test_chain_position_assert():
     ctx.write([(-1, [1], [5], [9])])
     hs = mix3(ANCHOR_H, 5, 9)
     ctx.write([(1, [2, 3, 4], [6, 7, 8], [10, 12, 13])], assert_flag=1)
-    # SPEC §7: the chain-position row stores the actual token in EXPECTED_TOKEN (as SGLang does)
+    # docs/format.md §7: the chain-position row stores the actual token in EXPECTED_TOKEN (as SGLang does)
     assert ctx.rows() == [(TAIL, 3, 12, 7, 7, to_i64(mix3(hs, 6, 10)), 11, W_POSITION)]
     ctx.write([(1, [5, 6], [6, 7], [10, 12])], assert_flag=0)
     ctx.write([(1, [5, 6], [6, 7], [10, 12])])
@@ -501,7 +501,7 @@ def test_write_out_of_range_seed_and_slot():
 
 
 def test_write_seed_slot_zero_is_a_real_seed():
-    # SPEC §7: "Slot 0 is not special in write": a seed of 0 chains from slot 0's record
+    # docs/format.md §7: "Slot 0 is not special in write": a seed of 0 chains from slot 0's record
     ctx = Ctx(16)
     ctx.write([(-1, [0], [9], [4])])                     # a padding write stamps slot 0
     ctx.write([(0, [5], [3], [5])], assert_flag=1)

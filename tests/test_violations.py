@@ -1,4 +1,4 @@
-"""Decoding of ring rows (SPEC §10): the log line, JSON lines, overflow."""
+"""Decoding of ring rows (docs/format.md §10): the log line, JSON lines, overflow."""
 
 from __future__ import annotations
 

@@ -86,7 +86,7 @@ _MISSING = object()
 
 def require_attr(obj, name: str, what: str, fix: str):
     """``obj.name``, or a :class:`ValidationError` naming the attribute that is missing: the engine
-    object is not of the layout this adapter was written against (SPEC: errors say expected / got / fix)."""
+    object is not of the layout this adapter was written against (errors say what was expected, what was got and the fix)."""
     value = getattr(obj, name, _MISSING)
     if value is _MISSING:
         public = sorted(a for a in dir(obj) if not a.startswith("__"))[:24]

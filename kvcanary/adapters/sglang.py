@@ -12,7 +12,7 @@ Duck-typed on the attributes SGLang's pools carry; SGLang itself is never import
   int64 map ``full_to_swa_index_mapping`` from full-pool slots to SWA-pool slots. The pool does not
   carry the window (no ``sliding_window_size``): pass ``window=``.
 
-Sources are zero-copy views of the live buffers (SPEC §4): slot ``s`` is row ``s`` of every layer.
+Sources are zero-copy views of the live buffers (docs/format.md §4): slot ``s`` is row ``s`` of every layer.
 A tensor whose rows are not a multiple of 16 bytes (MLATokenToKVPoolFP4's 36-byte scale rows for a
 576-wide cache) cannot be fingerprinted in place and is refused with the fix (``scales=False``).
 :func:`sglang_batch` is in :mod:`.sglang_batch`.

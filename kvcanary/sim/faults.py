@@ -31,7 +31,7 @@ _IDENTITY_BLIND = "identity-only mode hashes no KV bytes"
 NOT_COVERED = {
     ("K6", "none"): _IDENTITY_BLIND + "; a layout permutation keeps every token, position and chain",
     ("K7", "none"): _IDENTITY_BLIND + "; a torn copy carries the right records over stale bytes",
-    ("K9", "none"): _IDENTITY_BLIND + "; padding lanes carry no canary work (SPEC §8), so a stray "
+    ("K9", "none"): _IDENTITY_BLIND + "; padding lanes carry no canary work (docs/format.md §8), so a stray "
                     "padding write changes KV bytes only",
     ("K10", "none"): _IDENTITY_BLIND + "; scales change while every record stays right",
     ("K12", "none"): _IDENTITY_BLIND + "; a bit flip changes bytes only",

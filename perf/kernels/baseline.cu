@@ -11,7 +11,7 @@
 //    (record, predecessor record, strips) its own.
 #include "common.cuh"
 
-// SPEC §6 step 3 for one entry, every record loaded directly.
+// docs/format.md §6 step 3 for one entry, every record loaded directly.
 template <class P>
 __device__ __forceinline__ void kvcb_check(const P& p, const KvcEntry& x, bool check) {
   if (x.slot == KVC_PADDING_SLOT) {

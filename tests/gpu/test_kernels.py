@@ -101,7 +101,7 @@ def test_write_short_and_long_requests_seeds_repeats_and_holes(mode):
     """Requests of 0..33 and a few hundred entries: seeds that are chain heads, untouched slots or
     out of range, slots repeated within a request, holes, out-of-range slots, expected inputs
     with mismatches. Requests write disjoint slot ranges and seed from slots nobody writes in
-    the launch (requests are independent, SPEC §7: blocks run them in any order)."""
+    the launch (requests are independent, docs/format.md §7: blocks run them in any order)."""
     w = workloads.make(78, num_slots=40000, page_size=16, num_reqs=96, max_len=2, mode=mode)
     rng = np.random.default_rng(4)
     lens = rng.integers(0, 34, 96)
