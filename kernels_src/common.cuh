@@ -155,7 +155,8 @@ __device__ __forceinline__ KvcRequest kvc_request(const B& b, long long r) {
   }
   q.ok = q.row != 0 && q.field == 0;
   q.prefix = q.ok ? prefix : 0;
-  q.tokens = (q.row != 0 && extend > 0) ? extend : 0;
+  // at most INT32_MAX each: sums over the batch never wrap (a larger extend is TOKENS_SHORT anyway)
+  q.tokens = (q.row != 0 && extend > 0) ? (extend < KVC_MAX_REQUEST_TOKENS ? extend : KVC_MAX_REQUEST_TOKENS) : 0;
   q.lo = (q.ok && b.swa_window > 0 && prefix > b.swa_window) ? prefix - b.swa_window : 0;
   q.n = q.prefix - q.lo;
   return q;

@@ -64,6 +64,7 @@ SWA_UNMAPPED = -2            # a full-pool slot outside the full->SWA map (never
 PREV_ON_PADDING = -3         # plan prev_slot: a required predecessor is the padding slot 0 (reported)
 SEED_INVALID = -(1 << 63)    # WritePlan.seed of a request the plan builder rejected: + BatchField code
 INT32_MASK = 0xFFFFFFFF      # the low int32 of an int64 status cell (little-endian)
+MAX_REQUEST_TOKENS = (1 << 31) - 1  # new tokens a request owns at most (sums over a batch never wrap)
 
 
 class FailReason(enum.IntFlag):
@@ -418,6 +419,7 @@ def constants() -> dict[str, int]:
         "KVC_WIDE_HASH_BYTES": WIDE_HASH_BYTES, "KVC_STRIP_PIECE_BYTES": STRIP_PIECE_BYTES,
         "KVC_SWA_UNMAPPED": SWA_UNMAPPED, "KVC_PREV_ON_PADDING": PREV_ON_PADDING,
         "KVC_SEED_INVALID": SEED_INVALID, "KVC_INT32_MASK": INT32_MASK,
+        "KVC_MAX_REQUEST_TOKENS": MAX_REQUEST_TOKENS,
     }
     for field in BatchField:
         out[f"KVC_BATCH_{field.name}"] = int(field)

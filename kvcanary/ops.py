@@ -207,6 +207,11 @@ def _batch_views(batch: Batch, plan: StepPlan, swa_window, swa_map) -> tuple[dic
     if bs > plan.max_batch:
         raise ValidationError(f"kv-canary: batch size must be <= the plan's max_batch "
                               f"({plan.max_batch}), got {bs}. Fix: StepPlan.allocate(max_batch>={bs}, ...)")
+    pool = v.get("expected_pool")
+    if pool is not None and pool.shape[0] < v["req_to_token"].shape[0]:
+        raise ValidationError(f"kv-canary: batch.expected_pool must have a row per request-pool row (>= "
+                              f"{v['req_to_token'].shape[0]}, like req_to_token), got {pool.shape[0]} rows. Fix: pass "
+                              f"the engine's whole expected-token pool")
     if same_device(list(v.values()), "a Batch") != plan.device:
         raise ValidationError("kv-canary: the batch arrays must live on the plan's device, got them "
                               "elsewhere. Fix: allocate the plan on the batch's device")

@@ -16,7 +16,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kvcanary.abi import (
-    CHAIN_HEAD, NO_EXPECTED_TOKEN, PADDING_SLOT, PREV_ON_PADDING, SEED_INVALID, SWA_UNMAPPED, BatchField,
+    CHAIN_HEAD, MAX_REQUEST_TOKENS, NO_EXPECTED_TOKEN, PADDING_SLOT, PREV_ON_PADDING, SEED_INVALID, SWA_UNMAPPED,
+    BatchField,
     FailReason,
 )
 from kvcanary.reference import RefSource, _rows, check_entries
@@ -54,7 +55,8 @@ def requests(req_pool_indices, prefix_lens, extend_lens, rtt_shape, swa_window=0
     ok = real & (field == 0)
     prefix = np.where(ok, pre, 0)
     lo = np.where(ok & (pre > swa_window), pre - swa_window, 0) if swa_window > 0 else np.zeros_like(row)
-    return Requests(row, ok, lo, prefix - lo, prefix, np.where(real & (ext > 0), ext, 0), field, value, bound)
+    tokens = np.where(real & (ext > 0), np.minimum(ext, MAX_REQUEST_TOKENS), 0)  # sums never wrap
+    return Requests(row, ok, lo, prefix - lo, prefix, tokens, field, value, bound)
 
 
 def batch_rows(tag, request, field, value, bound, slot=-1) -> np.ndarray:
