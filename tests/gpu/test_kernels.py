@@ -8,6 +8,7 @@ import threading
 import numpy as np
 import pytest
 
+import kvcanary as kc
 from kvcanary import abi, driver, memory
 from tests import workloads
 
@@ -145,3 +146,41 @@ def test_two_threads_launch_concurrently():
     for i in range(2):
         for got in out[i]:
             workloads.assert_same(refs[i], got)
+
+
+def _oob_verify(ctx, n):
+    """A plan verify of n entries on slots past the buffer: one SLOT_OUT_OF_RANGE row each."""
+    plan = kc.StepPlan.allocate(1, n, device=0, materialize=True)
+    plan.slot.copy_from_host(np.full(n, 1 << 20, np.int64))
+    plan.num_valid.copy_from_host(np.array([n], np.int32))
+    plan.enable.copy_from_host(np.array([1], np.int32))
+    kc.verify(ctx, plan)
+
+
+def test_ring_fills_once_across_launches():
+    """Format v1: rows past capacity are dropped, never stored over earlier ones: after a launch
+    that fills the ring, a later launch's rows appear nowhere (a ring that wraps would hold them)."""
+    sink = kc.ViolationSink.allocate(4, device=0)
+    a, b = (kc.VerifyContext(kc.CanaryBuffer.allocate(8, device=0), sink, tag) for tag in
+            (abi.LaunchTag.HEAD_K_FULL, abi.LaunchTag.TAIL_V_SWA))
+    _oob_verify(a, 6)
+    _oob_verify(b, 5)
+    ring, wi = sink.arrays[0].numpy(), int(sink.arrays[1].numpy()[0])
+    assert wi == 11 and set(ring[:, abi.COL_KERNEL_KIND].tolist()) == {int(abi.LaunchTag.HEAD_K_FULL)}
+
+
+def test_ring_window_after_the_consumed_mark():
+    """The manager's window: with a 64-bit claim and a consumed mark, row i lands at i % capacity
+    iff i - consumed < capacity; rows before the mark may be reused, unread ones never are."""
+    from kvcanary import memory
+    base = kc.ViolationSink.allocate(4, device=0)
+    claim, consumed = memory.zeros((1,), np.int64), memory.zeros((1,), np.int64)
+    sink = kc.ViolationSink(*base.arrays, claim=claim, consumed=consumed)
+    a, b = (kc.VerifyContext(kc.CanaryBuffer.allocate(8, device=0), sink, tag) for tag in
+            (abi.LaunchTag.HEAD_K_FULL, abi.LaunchTag.TAIL_V_SWA))
+    _oob_verify(a, 6)  # claims 0..5: 0..3 stored, 4 and 5 dropped (consumed 0)
+    assert int(claim.numpy()[0]) == 6 and int(sink.arrays[1].numpy()[0]) == 0  # the v1 index is untouched
+    consumed.copy_from_host(np.array([6], np.int64))  # the host took everything up to 6
+    _oob_verify(b, 5)  # claims 6..10: 6..9 stored at 2, 3, 0, 1; 10 dropped
+    kinds = sink.arrays[0].numpy()[:, abi.COL_KERNEL_KIND].tolist()
+    assert int(claim.numpy()[0]) == 11 and kinds == [int(abi.LaunchTag.TAIL_V_SWA)] * 4
