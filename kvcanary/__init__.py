@@ -21,6 +21,7 @@ from .sources import (RealKvSource, source_from_slots, sources_from_layers,  # n
                       sources_from_pages, sources_from_vllm)
 from .state import CanaryBuffer, VerifyContext, ViolationSink  # noqa: E402
 from .violations import Violation, decode_ring  # noqa: E402
+from .records import CanaryRecords  # noqa: E402
 from .manager import KvCanary, PoolGroup  # noqa: E402
 
 __all__ = [
@@ -30,4 +31,5 @@ __all__ = [
     "verify", "write", "Batch", "StepPlan", "RealKvSource", "source_from_slots",
     "sources_from_layers", "sources_from_pages", "sources_from_vllm", "CanaryBuffer",
     "VerifyContext", "ViolationSink", "Violation", "decode_ring", "COMPILED", "KvCanary", "PoolGroup",
+    "CanaryRecords",
 ]

@@ -295,6 +295,20 @@ FUSED_VERIFY_PARAMS = StructDecl("KvcFusedVerifyParams", COMMON + _BATCH + (
     _F("_pad0", "i32"),
 ))
 
+# Records that travel (kernels_src/records.cu): the group's buffers (canary = the first), the slots
+# and the compact [buffers, n, FIELDS_PER_SLOT] array; the _COMMON ring fields report bad slots.
+MAX_RECORD_BUFFERS = 4  # HEAD and TAIL x K and V of one pool group
+RECORDS_PARAMS = StructDecl("KvcRecordsParams", COMMON + (
+    _F("canary1", "ptr:long long"),
+    _F("canary2", "ptr:long long"),
+    _F("canary3", "ptr:long long"),
+    _F("slots", "ptr:const long long"),
+    _F("n", "i64"),
+    _F("records", "ptr:long long"),
+    _F("num_buffers", "i32"),
+    _F("import_records", "i32"),   # 0: buffers -> records (export), 1: records -> buffers (import)
+))
+
 PROBE_PARAMS = StructDecl("KvcProbeParams", (
     _F("out", "ptr:long long"),
     _F("a_i32", "i32"),
@@ -316,7 +330,7 @@ SNAPSHOT_PARAMS = StructDecl("KvcSnapshotParams", (
 
 STRUCTS: tuple[StructDecl, ...] = (
     SOURCE_DESC, VERIFY_PARAMS, WRITE_PARAMS, PREPARE_PARAMS, EXPAND_PARAMS,
-    FUSED_VERIFY_PARAMS, PROBE_PARAMS, SNAPSHOT_PARAMS,
+    FUSED_VERIFY_PARAMS, RECORDS_PARAMS, PROBE_PARAMS, SNAPSHOT_PARAMS,
 )
 _BY_NAME = {s.name: s for s in STRUCTS}
 PARAMS_STRUCTS = tuple(s for s in STRUCTS if s is not SOURCE_DESC)
@@ -334,6 +348,7 @@ KERNELS: dict[str, str] = {
     "kvc_prepare": PREPARE_PARAMS.name,
     "kvc_expand": EXPAND_PARAMS.name,
     "kvc_snapshot": SNAPSHOT_PARAMS.name,
+    "kvc_copy_records": RECORDS_PARAMS.name,
     "kvc_empty": PROBE_PARAMS.name,
     "kvc_abi_layout": PROBE_PARAMS.name,
     **{f"kvc_echo_{s.name}": s.name for s in PARAMS_STRUCTS},
@@ -397,6 +412,7 @@ ExpandParams = CTYPES["KvcExpandParams"]
 FusedVerifyParams = CTYPES["KvcFusedVerifyParams"]
 ProbeParams = CTYPES["KvcProbeParams"]
 SnapshotParams = CTYPES["KvcSnapshotParams"]
+RecordsParams = CTYPES["KvcRecordsParams"]
 
 
 # ---- C++ side ---------------------------------------------------------------------------------------
@@ -419,7 +435,8 @@ def constants() -> dict[str, int]:
         "KVC_WIDE_HASH_BYTES": WIDE_HASH_BYTES, "KVC_STRIP_PIECE_BYTES": STRIP_PIECE_BYTES,
         "KVC_SWA_UNMAPPED": SWA_UNMAPPED, "KVC_PREV_ON_PADDING": PREV_ON_PADDING,
         "KVC_SEED_INVALID": SEED_INVALID, "KVC_INT32_MASK": INT32_MASK,
-        "KVC_MAX_REQUEST_TOKENS": MAX_REQUEST_TOKENS,
+        "KVC_MAX_REQUEST_TOKENS": MAX_REQUEST_TOKENS, "KVC_MAX_RECORD_BUFFERS": MAX_RECORD_BUFFERS,
+        "KVC_FIELDS_PER_SLOT": FIELDS_PER_SLOT,
     }
     for field in BatchField:
         out[f"KVC_BATCH_{field.name}"] = int(field)

@@ -25,6 +25,13 @@ class HostBackend:
     def zeros(self, shape, dtype):
         return np.zeros(shape, dtype)
 
+    def to_device(self, host: np.ndarray):
+        return host
+
+    def records_array(self, records):
+        """Records as this backend's int64 array (a device array comes back to the host)."""
+        return np.ascontiguousarray(records if isinstance(records, np.ndarray) else records.numpy(), np.int64)
+
     def cells(self, status, start: int, n: int = 1, dtype=np.int64):
         """``n`` int64 status cells from ``start`` (as int32 [n]: their low halves)."""
         if np.dtype(dtype) == np.int32:
@@ -46,6 +53,15 @@ class HostBackend:
 
     def set_consumed(self, status, value: int, stream) -> None:
         status[abi.STATUS_CONSUMED] = value
+
+    def copy_records(self, bufs, slots, records, to_buffers: bool, ctx, stream) -> None:
+        """Records of ``slots`` out of (or into) the canary buffers ``bufs`` (host arrays)."""
+        for b, buf in enumerate(bufs):
+            words = buf.view.host.view("<i8")
+            if to_buffers:
+                words[slots, :abi.FIELDS_PER_SLOT] = records[b]
+            else:
+                records[b] = words[slots, :abi.FIELDS_PER_SLOT]
 
     def stage_sweep(self, plan, host: dict, n: int, stream) -> None:
         for k, a in host.items():
@@ -84,6 +100,18 @@ class CudaBackend:
     def zeros(self, shape, dtype):
         from . import memory
         return memory.zeros(shape, dtype, self.device)
+
+    def to_device(self, host: np.ndarray):
+        from . import memory
+        return memory.to_device(np.ascontiguousarray(host), self.device)
+
+    def records_array(self, records):
+        """Records on this device: host records (e.g. from bytes) are uploaded, records on
+        another device are copied through the host; records on this device are used as they are."""
+        if getattr(records, "device", None) == self.device and hasattr(records, "ptr"):
+            return records
+        host = records if isinstance(records, np.ndarray) else records.numpy()
+        return self.to_device(np.ascontiguousarray(host, np.int64))
 
     def cells(self, status, start: int, n: int = 1, dtype=np.int64):
         """``n`` int64 status cells from ``start``, no copy (int32: the low half of each cell, which
@@ -125,6 +153,21 @@ class CudaBackend:
         for k, word in enumerate((value & abi.INT32_MASK, (value >> 32) & abi.INT32_MASK)):
             driver.check(self.rt.call(d.cuMemsetD32Async, ptr + 4 * k, word, 1, self.rt.cu_stream(s)),
                          "cuMemsetD32Async")
+
+    def copy_records(self, bufs, slots, records, to_buffers: bool, ctx, stream: int) -> None:
+        """One kvc_copy_records launch on ``stream``: records of ``slots`` (a device int64 [n] view)
+        out of (or into) the buffers; a slot outside them is reported through ``ctx``'s sink."""
+        from .driver import Launch
+        p = abi.RecordsParams()
+        ctx.sink.pack_ring(p, ctx.tag)
+        p.kernel_run_counter = p.slot_run_counter = p.skip_counter = 0  # no launch of a verify context
+        p.canary, p.slot_stride_words, p.num_slots = bufs[0].view.ptr, bufs[0].slot_stride // 8, bufs[0].num_slots
+        p.canary1, p.canary2, p.canary3 = (bufs[k].view.ptr if k < len(bufs) else 0 for k in (1, 2, 3))
+        p.slots, p.n, p.records = slots.ptr, slots.shape[0], records.ptr
+        p.num_buffers, p.import_records = len(bufs), int(to_buffers)
+        grid = max(1, min(self.rt.resident_blocks("kvc_copy_records", abi.BLOCK_THREADS),
+                          -(-slots.shape[0] // abi.BLOCK_THREADS)))
+        Launch(self.rt, "kvc_copy_records", grid, abi.BLOCK_THREADS, p, stream, (bufs, slots, records))(stream)
 
     def stage_sweep(self, plan, host: dict, n: int, stream: int) -> None:
         """Upload a host sweep plan through pinned memory on ``stream`` (the previous upload has

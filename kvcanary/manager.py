@@ -28,6 +28,8 @@ from . import abi, backends, ops
 from .arrays import layout_key
 from .errors import KvCanaryError, ValidationError, ValidationTypeError
 from .plan import MAX_BATCH_LIMIT, Batch, StepPlan
+from .driver import PER_THREAD_STREAM
+from .records import CanaryRecords
 from .reporting import Reporter, RingLedger
 from .sources import RealKvSource, source_list
 from .state import RING_CAPACITY_LIMIT, CanaryBuffer, VerifyContext, ViolationSink, checked
@@ -339,6 +341,50 @@ class KvCanary:
             fail("sweep group", f"one of {tuple(self.groups)}", group, "pass group='FULL'")
         return group.upper()
 
+    # ---- records that travel with their KV (kvcanary/records.py) ------------------------------------
+    def export_records(self, slots, *, group: str = "FULL", stream=None) -> CanaryRecords:
+        """The canary records of ``slots`` (every buffer of ``group``: HEAD/TAIL x K/V) and what
+        their fingerprints cover, to move with the slots' KV (offload, transfer, migration). On
+        the device a launch on ``stream`` (no host sync; host slots are uploaded first)."""
+        return self._records(slots, None, self._group(group), stream)
+
+    def import_records(self, slots, records: CanaryRecords, *, group: str = "FULL", stream=None) -> None:
+        """Place ``records`` (from :meth:`export_records` of a canary built alike, here or in
+        another process through ``to_bytes``/``from_bytes``) at ``slots``, in the order given: the
+        first read verifies them against the moved KV like any record."""
+        if not isinstance(records, CanaryRecords):
+            fail("import_records(records)", "kvcanary.CanaryRecords", records,
+                 "pass what export_records() or CanaryRecords.from_bytes() returned", kind=ValidationTypeError)
+        self._records(slots, records, self._group(group), stream)
+
+    def _records(self, slots, records, group: str, stream):
+        from . import records as rec
+        bufs = rec.buffers(self, group)
+        num_slots = bufs[0].num_slots
+        exporting = records is None
+        with self._lock:
+            if self.backend.device is None or isinstance(slots, (list, tuple, np.ndarray)):
+                host = rec.host_slots(slots, num_slots, "export_records" if exporting else "import_records")
+                n = len(host)
+                dev_slots = host if self.backend.device is None else self.backend.to_device(host)
+            else:
+                dev_slots = checked(slots, "slots", dtype=np.int64, ndim=1)
+                n = dev_slots.shape[0]
+            mine = rec.descriptor(self, group, n)
+            if exporting:
+                out = self.backend.zeros((len(bufs), n, abi.FIELDS_PER_SLOT), np.int64)
+            else:
+                rec.check_compatible(mine, records.descriptor)
+                if records.n != n:
+                    raise ValidationError(f"kv-canary: import_records needs one record per slot ({n}), got {records.n}. "
+                                          f"Fix: pass the slots the records were exported for, in order")
+                out = self.backend.records_array(records.records)
+            view = out if self.backend.device is None else checked(out, "records", dtype=np.int64, ndim=3)
+            s = self.backend.stream(stream, None)
+            self.backend.copy_records(bufs, dev_slots if self.backend.device is None else checked(
+                dev_slots, "slots", dtype=np.int64, ndim=1), view, not exporting, self._head_ctx[group], s)
+            return CanaryRecords(out, mine) if exporting else None
+
     # ---- pump ------------------------------------------------------------------------------------
     def poll(self, stream=None) -> None:
         """Report what the newest completed snapshots show, then snapshot again (on ``stream``;
@@ -374,8 +420,13 @@ class KvCanary:
             self.backend.set_consumed(self.status, self.ledger.total, stream)
 
     def flush(self) -> None:
-        """Wait for every snapshot and report it (shutdown and tests; this one does synchronise)."""
+        """Wait for the device and report everything up to now, also what launches after the last
+        step's snapshot found (a sweep, an export): shutdown and tests; this one synchronises."""
         with self._lock:
+            if self.backend.cached_launches:  # one more snapshot, behind everything enqueued so far
+                from .memory import context_synchronize
+                context_synchronize(self.device)
+                self.pump.snapshot(PER_THREAD_STREAM, self._meta())
             try:
                 for snap, meta in self.pump.drain(self._meta()):
                     self._process(snap, meta)

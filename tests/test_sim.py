@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from kvcanary.sim import Engine, SimConfig
-from kvcanary.sim.kvpool import content, read_records, scale_content
+from kvcanary.sim.kvpool import content, scale_content
 from kvcanary.sim.state import seq_keys
 
 FEATURES = ("prefix_hit_tokens", "prefill_chunks", "drafts_accepted", "drafts_rejected", "finished",
@@ -71,15 +71,14 @@ def test_records_travel_with_offloaded_kv():
     while not [e for e in eng.cache.entries if e.users == 0]:
         eng.step()
     e = [e for e in eng.cache.entries if e.users == 0][0]
-    before = read_records(eng.kv, "FULL", e.slots)
+    before = eng.kv.export_records(e.slots, group="FULL").to_host().records
     eng.cache.offload(e)
     eng.cache.drop(e)
     hold = eng.cache.alloc(2 * len(e.slots))                      # the freed slots go to others
     loaded = eng.cache.load(eng.cache.host[-1], len(e.tokens))
     eng.release(hold)
     assert loaded is not None and not set(loaded.slots.tolist()) & set(e.slots.tolist())
-    for a, b in zip(before, read_records(eng.kv, "FULL", loaded.slots)):
-        assert np.array_equal(a, b)
+    assert np.array_equal(before, eng.kv.export_records(loaded.slots, group="FULL").to_host().records)
     eng.cache.sweep()                                            # the moved prefix still verifies
     for _ in range(5):
         eng.step()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from .kvpool import read_records, write_records
 from .state import Entry, HostEntry, Read, Transfer
 
 
@@ -103,14 +102,15 @@ class Cache:
 
     # ---- host tier -------------------------------------------------------------------------------
     def offload(self, e: Entry) -> None:
-        """Device -> host copy of an entry's KV and its canary records (they travel together)."""
+        """Device -> host copy of an entry's KV and its canary records (they travel together,
+        through KvCanary.export_records / import_records)."""
         eng = self.eng
         h = HostEntry(e.tokens, e.keys, {n: eng.full.read(n, e.slots) for n in eng.full.specs},
-                      read_records(eng.kv, "FULL", e.slots))
+                      eng.kv.export_records(e.slots, group="FULL").to_host())
         if eng.swa is not None:
             swa = eng.map[e.slots]
             h.swa_kv = {n: eng.swa.read(n, swa) for n in eng.swa.specs}
-            h.swa_records = read_records(eng.kv, "SWA", swa)
+            h.swa_records = eng.kv.export_records(swa, group="SWA").to_host()
         self.host.append(h)
         eng.counts["offloads"] += 1
         del self.host[:max(0, len(self.host) - eng.cfg.host_entries)]
@@ -122,17 +122,17 @@ class Cache:
             return None
         dst = self.alloc(n)
         xfer = Transfer(h, n, dst, None, {k: eng.full.read(k, dst) for k in eng.full.specs},
-                        read_records(eng.kv, "FULL", dst), eng.slot_key[dst].copy())
+                        eng.kv.export_records(dst, group="FULL").to_host(), eng.slot_key[dst].copy())
         for k in eng.full.specs:
             eng.full.write(k, dst, h.kv[k][:n])
-        write_records(eng.kv, "FULL", dst, [r[:n] for r in h.records])
+        eng.kv.import_records(dst, h.records.take(slice(0, n)), group="FULL")
         eng.slot_key[dst] = h.keys[:n]
         if eng.swa is not None:
             xfer.swa_dst = swa = self.alloc_swa(n)
             eng.map[dst] = swa
             for k in eng.swa.specs:
                 eng.swa.write(k, swa, h.swa_kv[k][:n])
-            write_records(eng.kv, "SWA", swa, [r[:n] for r in h.swa_records])
+            eng.kv.import_records(swa, h.swa_records.take(slice(0, n)), group="SWA")
             eng.swa_key[swa] = h.keys[:n]
         eng.counts["loads"] += 1
         eng.fault.on_load(eng, xfer)

@@ -9,7 +9,6 @@ import numpy as np
 
 from .cache import lcp
 from .faults import Fault, chain, running
-from .kvpool import write_records
 
 
 def changed_in_window(eng, pool, slots, tokens, positions, mode: str) -> np.ndarray:
@@ -28,7 +27,7 @@ def _restore(eng, x, idx, names=None, records: bool = True) -> None:
     for k in names or eng.full.specs:
         eng.full.write(k, dst, x.old_kv[k][idx])
     if records:
-        write_records(eng.kv, "FULL", dst, [r[idx] for r in x.old_records])
+        eng.kv.import_records(dst, x.old_records.take(idx), group="FULL")
         eng.slot_key[dst] = x.old_keys[idx]
 
 
@@ -37,7 +36,7 @@ def _put(eng, x, dst_idx, src_idx) -> None:
     h, dst = x.entry, x.dst[dst_idx]
     for k in eng.full.specs:
         eng.full.write(k, dst, h.kv[k][src_idx])
-    write_records(eng.kv, "FULL", dst, [r[src_idx] for r in h.records])
+    eng.kv.import_records(dst, h.records.take(src_idx), group="FULL")
     eng.slot_key[dst] = h.keys[src_idx]
 
 

@@ -128,39 +128,3 @@ def make_specs(layers: int, per_token: int, scales: bool, prefix: str = "") -> d
                 name = f"{half}S{prefix}{layer}"
                 specs[name] = (SCALE_BYTES, zlib.crc32(name.encode()), True)
     return specs
-
-
-# ---- canary records that travel with the KV -------------------------------------------------------
-def canary_buffers(kv, group: str) -> list:
-    """The canary buffers (HEAD and TAIL, K and V) of one pool group of a KvCanary.
-
-    Workaround: KvCanary has no public call to move records with KV (offload, migration); the
-    buffers are reached through ``kv.ctx``. Records are content-only (the chain never names a
-    slot), so copying a record with its KV keeps it valid in the new slot.
-    """
-    out, seen = [], set()
-    for (stage, g, _half, _op), ctx in sorted(kv.ctx.items(), key=lambda kv_: str(kv_[0])):
-        if g == group and stage in ("HEAD", "TAIL") and id(ctx.buffer) not in seen:
-            seen.add(id(ctx.buffer))
-            out.append(ctx.buffer)
-    return out
-
-
-def read_records(kv, group: str, slots) -> list[np.ndarray]:
-    slots = np.asarray(slots, np.int64)
-    return [_host(b)[slots].copy() for b in canary_buffers(kv, group)]
-
-
-def write_records(kv, group: str, slots, records: list[np.ndarray]) -> None:
-    slots = np.asarray(slots, np.int64)
-    for buf, rec in zip(canary_buffers(kv, group), records):
-        if buf.device is None:
-            buf.view.host[slots] = rec
-        else:
-            host = buf.array.numpy()
-            host[slots] = rec
-            buf.array.copy_from_host(host)
-
-
-def _host(buf) -> np.ndarray:
-    return buf.view.host if buf.device is None else buf.array.numpy()

@@ -88,14 +88,14 @@ class Entry:
 
 @dataclass(eq=False)
 class HostEntry:
-    """An offloaded prefix: its KV bytes per tensor, canary records per buffer, and the SWA part."""
+    """An offloaded prefix: its KV bytes per tensor, canary records (CanaryRecords), and the SWA part."""
 
     tokens: np.ndarray
     keys: np.ndarray
     kv: dict
-    records: list
+    records: object         # kvcanary.CanaryRecords (host)
     swa_kv: dict | None = None
-    swa_records: list | None = None
+    swa_records: object = None
 
 
 @dataclass(eq=False)
@@ -142,7 +142,7 @@ class Transfer:
     dst: np.ndarray
     swa_dst: np.ndarray | None
     old_kv: dict
-    old_records: list
+    old_records: object     # kvcanary.CanaryRecords (host) of the destination before the copy
     old_keys: np.ndarray
     late: list = field(default_factory=list)   # callables run after the step (late landings)
 
