@@ -33,6 +33,27 @@ def _wrong_rtt(sess, arrays):
     sess.rtt[row, 3] = sess.rtt[1, 0]
 
 
+def _zeroed_rtt(sess, arrays):
+    sess.rtt[2, 3] = 0  # B's cached position 3 now points at the padding slot 0
+
+
+@pytest.mark.parametrize("swa", [False, True])
+def test_a_real_request_reading_the_padding_slot_is_reported(swa):
+    """No slot-0 blind spot (issue 14): the entry itself on slot 0, and its successor whose
+    required predecessor is slot 0, are reported (PADDING_SLOT_READ) in the step of the read,
+    by HEAD and TAIL, K and V, on the FULL group (and the SWA group when the map sends it there)."""
+    recs = violations(Session(swa=swa).script(corrupt_at=3, corrupt=_zeroed_rtt))
+    step3 = [r for r in recs if r["step"] == 3 and "padding_slot_read" in r["fail_reason"]]
+    full = {(r["launch_tag"], r["slot_idx"], r["position"]) for r in step3 if r["launch_tag"].endswith("FULL")}
+    slot4 = None
+    for tag in ("HEAD_K_FULL", "HEAD_V_FULL", "TAIL_K_FULL", "TAIL_V_FULL"):
+        assert (tag, 0, 3) in full, tag  # the entry on slot 0 (its plan position)
+        nxt = [s for t, s, p in full if t == tag and p == 4]  # the successor, its predecessor on slot 0
+        assert len(nxt) == 1 and nxt[0] != 0
+        slot4 = nxt[0]
+    assert slot4 is not None
+
+
 def test_wrong_req_to_token_entry_is_reported_at_head_in_that_step():
     recs = violations(Session().script(corrupt_at=3, corrupt=_wrong_rtt))
     step3 = [r for r in recs if r["step"] == 3]
