@@ -284,17 +284,19 @@ class KvCanary:
             if loc is None:
                 raise ValidationError(f"kv-canary: batch.{'swa_' if g == 'SWA' else ''}out_cache_loc must be given "
                                       f"to stamp the {g} group, got None. Fix: pass the new tokens' slots")
-            for h in grp.resolved_halves():
+            for h in grp.resolved_halves():  # stamp first, then verify: a new token stamped over a slot that
+                # another request still reads (premature free, a draft landing in a committed slot) is
+                # then caught by this very stage, before the forward reads it (HEAD) or right after (TAIL)
                 vctx, wctx = self.ctx[Key(stage, g, h, "verify")], self.ctx[Key(stage, g, h, "write")]
+                out.append(ops.prepare_write(wctx, plan, batch.input_ids, batch.positions, loc, stream=stream,
+                                             expected_input_ids=batch.expected_input_ids,
+                                             expected_positions=batch.expected_positions))
                 if self.fused:
                     out.append(ops.prepare_fused_verify(vctx, batch, plan, check_expected_token=self.check_expected_token,
                                                         stream=stream, **swa))
                 else:
                     out.append(ops.prepare_verify(vctx, plan, check_expected_token=self.check_expected_token,
                                                   stream=stream))
-                out.append(ops.prepare_write(wctx, plan, batch.input_ids, batch.positions, loc, stream=stream,
-                                             expected_input_ids=batch.expected_input_ids,
-                                             expected_positions=batch.expected_positions))
         return [launch for launch in out if launch is not None]
 
     def launches_per_step(self) -> int:

@@ -28,8 +28,8 @@ def reduced():
 
 def test_coverage_table_follows_faults_md():
     blind = {c for c in CLASSES if not coverage(c, "none")[0]}
-    # FAULTS.md's four, plus K9: padding lanes carry no canary work, a stray padding write changes bytes only
-    assert blind == {"K6", "K7", "K9", "K10", "K12"}
+    # FAULTS.md's four; K9 is seen in every mode (the plan builder checks the padding lanes' slots)
+    assert blind == {"K6", "K7", "K10", "K12"}
     assert all(coverage(c, m)[0] for c in CLASSES for m in ("partial", "all"))
 
 
@@ -86,15 +86,16 @@ def test_demo_cli_runs_with_tiny_flags(tmp_path, jobs):
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "not covered in none: K9, K12" in p.stdout and "clean run" in p.stdout
+    assert "not covered in none: K12" in p.stdout and "clean run" in p.stdout
     data = json.loads((tmp_path / "campaign.json").read_text())
-    assert data["cells"]["K9/none"]["covered"] is False and data["cells"]["K3/none"]["covered"] is True
+    assert data["cells"]["K12/none"]["covered"] is False and data["cells"]["K3/none"]["covered"] is True
+    assert data["cells"]["K9/none"]["covered"] is True
     assert data["clean_runs"][0]["false_positives"] == 0
     assert data["clean_runs"][0].get("runs", 1) == jobs        # --jobs reaches the clean run too
 
 
 def test_parallel_campaign_matches_the_serial_one():
-    # A class with an uncovered mode (K9/none) checks that cells are assembled in the serial order.
+    # A class with an uncovered mode (K12/none) checks that cells are assembled in the serial order.
     classes, modes = ["K1", "K9", "K12"], ["none", "partial"]
     serial = campaign.run_campaign(classes, modes, injections=2, seed=11)
     seen = []

@@ -120,8 +120,8 @@ def test_one_snapshot_launch_per_step_after_the_step_and_no_other_driver_call(fa
     fake.calls.clear()
     n0 = canary.launch_count
     step(canary, batch, s)
-    assert fake.launched == ["kvc_prepare", "kvc_fused_verify", "kvc_write", "kvc_fused_verify", "kvc_write",
-                             "kvc_snapshot"]
+    assert fake.launched == ["kvc_prepare", "kvc_write", "kvc_fused_verify", "kvc_write", "kvc_fused_verify",
+                             "kvc_snapshot"]  # each stage stamps, then verifies
     assert canary.launch_count - n0 == canary.launches_per_step() == 6
     assert [e[0] for e in fake.pending[s]][-1] == "kvc_snapshot"  # on the step's stream, last
     assert dict(fake.calls) == {"cuStreamIsCapturing": 2}        # no event query, no copy
@@ -218,7 +218,7 @@ def test_launches_are_repacked_only_when_a_batch_layout_changes(fake):
     batch.out_cache_loc = memory.to_device(np.array([10], np.int64))  # same layout, another address
     step(canary, batch, s)
     assert list(canary._packed["HEAD"].values()) == [packed]
-    write = packed.launches[-1]
+    write = packed.launches[1]
     assert write.name == "kvc_write" and write.params.out_cache_loc == batch.out_cache_loc.ptr
     prepare = packed.launches[0]
     assert prepare.name == "kvc_prepare" and prepare.params.out_cache_loc == batch.out_cache_loc.ptr
