@@ -50,14 +50,17 @@ def bulk(rng, shape, lo: int, hi: int, pool, rate: float, dtype=np.int64) -> np.
 
 
 def slot_pool(n: int) -> list[int]:
-    return extremes(n) + MARKERS
+    """Hostile int64 slots for a buffer of n: the padding slot, the first past the end and the
+    markers weigh more (the checks that separate them from real slots are the ones to break)."""
+    return extremes(n) + 2 * MARKERS + [0, 0, -1, n, n]
 
 
-def rtt_pool(n: int) -> list[int]:  # int32 entries of req_to_token
-    return sorted({I32_MIN, I32_MIN + 1, -3, -2, -1, 0, n - 1, n, n + 1, I32_MAX} - {I64_MIN})
+def rtt_pool(n: int) -> list[int]:
+    """Hostile int32 entries of req_to_token, checked against n (slots or the SWA map's length)."""
+    return [I32_MIN, I32_MIN + 1, -3, -2, -1, 0, 0, 0, n - 1, n, n, n + 1, I32_MAX]
 
 
-rates = st.sampled_from([0.0, 0.1, 0.4])
+rates = st.sampled_from([0.0, 0.1, 0.4, 0.8])  # bulk values replaced by hostile ones
 seeds = st.integers(0, 2**32 - 1)
 
 
@@ -167,7 +170,7 @@ def batches(draw, eng: dict, max_batch: int):
             b["expected_valid_lens"] = np.array(draw(st.lists(hostile(0, pool_len, pool_len), min_size=bs,
                                                               max_size=bs)), np.int64)
         b["expected_token_offset"] = draw(st.sampled_from([0, 1, -1, 2, 3, -3, 1 << 62, -(1 << 62), max_len, -max_len]))
-    b["swa_window"] = draw(st.sampled_from([0, 0, 1, 3, I32_MAX]))
+    b["swa_window"] = draw(st.sampled_from([0, 0, 1, 2, 3, I32_MAX]))
     if eng["swa"]:
         b["swa_map"] = bulk(rng, max(map_len, 0), 0, ns - 1, slot_pool(ns), rate)
         b["swa_out_cache_loc"] = bulk(rng, T, 1, ns - 1, slot_pool(ns), rate)

@@ -130,7 +130,7 @@ def plan_flow(case) -> None:
     w.assert_untouched("after every launch")
 
 
-@fuzz(150)
+@fuzz(300)
 @given(case=plan_cases())
 def test_plan_builder_fused_verify_expand_write(emulator, case):
     """kvc_prepare + kvc_expand on a hostile batch, kvc_write along the plan, then a TAIL batch the
@@ -175,7 +175,7 @@ def verify_flow(case) -> None:
     w.assert_untouched("after kvc_verify")
 
 
-@fuzz(100)
+@fuzz(200)
 @given(case=verify_cases())
 def test_verify_on_garbage_plans(emulator, case):
     """kvc_verify(_wide): slots, predecessors, positions and tokens garbled (negative, 0, past the
@@ -224,7 +224,7 @@ def write_flow(case) -> None:
     w.assert_untouched("after kvc_write")
 
 
-@fuzz(100)
+@fuzz(200)
 @given(case=write_cases())
 def test_write_on_garbage_write_plans(emulator, case):
     """kvc_write: offsets garbled or hostile, seeds hostile (incl. slot 0, -2, -3, SEED_INVALID +
@@ -240,7 +240,7 @@ def ring_of_one(case: dict) -> dict:
     return case
 
 
-@fuzz(20)
+@fuzz(40)
 @given(case=verify_cases(capacity=60).map(ring_of_one))
 def test_ring_capacity_one_many_violations(emulator, case):
     """Capacity 1 and up to 60 violations in one launch: every one is counted (write index or
