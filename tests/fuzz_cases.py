@@ -41,6 +41,11 @@ def hostile(lo: int, hi: int, bound: int, extra=()) -> st.SearchStrategy[int]:
     return st.one_of(plausible, plausible, st.sampled_from(extremes(bound) + list(extra)))
 
 
+def sizes(lo: int, hi: int) -> st.SearchStrategy[int]:
+    """A size in [lo, hi], about uniform (st.integers favours the ends; shrinks to lo)."""
+    return st.sampled_from(range(lo, max(lo, hi) + 1))
+
+
 def bulk(rng, shape, lo: int, hi: int, pool, rate: float, dtype=np.int64) -> np.ndarray:
     """Values in [lo, hi] with a fraction ``rate`` replaced by picks from ``pool``."""
     out = rng.integers(lo, max(lo, hi) + 1, shape).astype(dtype)
@@ -110,11 +115,6 @@ def plan_poison(rng, max_batch: int, capacity: int) -> dict:
     return dict(offsets=big(max_batch + 1), seed=big(max_batch), num_valid_reqs=small(),
                 entry_offsets=big(max_batch + 1), num_valid=small(), enable=small(),
                 **{k: big(capacity) for k in ("slot", "expected_token", "expected_position", "prev_slot")})
-
-
-def sizes(lo: int, hi: int) -> st.SearchStrategy[int]:
-    """A size in [lo, hi], about uniform (st.integers favours the ends; shrinks to lo)."""
-    return st.sampled_from(range(lo, max(lo, hi) + 1))
 
 
 def requests(draw, bs: int, rows: int, max_len: int) -> dict:

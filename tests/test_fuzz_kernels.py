@@ -21,6 +21,7 @@ example counts (e.g. 10 for a longer local run); runs are derandomized, so CI is
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import numpy as np
@@ -246,6 +247,21 @@ def test_ring_capacity_one_many_violations(emulator, case):
     """Capacity 1 and up to 60 violations in one launch: every one is counted (write index or
     claim), one row is kept and it is one of the rows found."""
     run(case, verify_flow)
+
+
+@pytest.mark.parametrize("placement,index", [("end", 5), ("start", -1)])
+def test_guard_pages_turn_a_stray_access_into_a_failure(placement, index):
+    """The harness itself: in-bounds accesses run, one element past the end ("end") or before the
+    start ("start") faults in the child and fails in the parent as an out-of-bounds access."""
+    def touch(i):
+        arena = guarded.Arena(placement)
+        view, array = arena.put(np.arange(5, dtype=np.int64))
+        assert array.tolist() == [0, 1, 2, 3, 4]
+        guarded.note("touch")
+        ctypes.c_int64.from_address(view.ptr + 8 * i).value += 1
+    guarded.run_forked(lambda: touch(4 if index > 0 else 0))
+    with pytest.raises(AssertionError, match="out-of-bounds access in touch"):
+        guarded.run_forked(lambda: touch(index))
 
 
 def test_snapshot_fixed_size(emulator):
