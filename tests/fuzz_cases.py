@@ -163,13 +163,19 @@ def batches(draw, eng: dict, max_batch: int):
     if draw(st.booleans()):
         # Known bug (test_known_bug_expected_pool_shorter_than_req_to_token): a pool with fewer
         # rows than req_to_token is read out of bounds, so the pool here has at least its rows.
-        pool_len = draw(st.sampled_from([max_len, max_len + 1, max(0, max_len - 1), 0, max_len + 3]))
+        # Lengths and offsets that put a request's last cached position right at the end of
+        # what it may read (pos + offset == valid length) come first.
+        offset = draw(st.sampled_from([0, 1, -1, 2, 3, -3, 1 << 62, -(1 << 62), max_len, -max_len]))
+        pool_len = draw(st.sampled_from([max(0, max_len - 1 + offset), max_len, max_len + 1, max(0, max_len - 1), 0,
+                                         max_len + 3]))
+        pool_len = min(pool_len, max_len + 3)
         pool_rows = draw(st.sampled_from([rows, rows, rows + 2]))  # the last row ends at the guard
         b["expected_pool"] = bulk(rng, (pool_rows, pool_len), 0, 1000, extremes(0), rate)
         if draw(st.booleans()):
-            b["expected_valid_lens"] = np.array(draw(st.lists(hostile(0, pool_len, pool_len), min_size=bs,
-                                                              max_size=bs)), np.int64)
-        b["expected_token_offset"] = draw(st.sampled_from([0, 1, -1, 2, 3, -3, 1 << 62, -(1 << 62), max_len, -max_len]))
+            edge = [min(max(p - 1 + offset, I64_MIN), I64_MAX) for p in b["prefix_lens"].tolist()]
+            b["expected_valid_lens"] = np.array([draw(st.one_of(st.just(e), hostile(0, pool_len, pool_len)))
+                                                 for e in edge], np.int64)
+        b["expected_token_offset"] = offset
     b["swa_window"] = draw(st.sampled_from([0, 0, 1, 2, 3, I32_MAX]))
     if eng["swa"]:
         b["swa_map"] = bulk(rng, max(map_len, 0), 0, ns - 1, slot_pool(ns), rate)
