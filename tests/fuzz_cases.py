@@ -154,7 +154,7 @@ def batches(draw, eng: dict, max_batch: int):
     b["req_to_token"] = bulk(rng, (rows, max_len), 1, full - 1, rtt_pool(full) + rtt_pool(map_len), rate, np.int32)
     owned = int(np.where(b["req_pool_indices"] != 0, np.maximum(b["extend_lens"], 0), 0).sum())
     T = draw(st.one_of(st.just(owned), sizes(0, 24)) if owned <= 24 else sizes(0, 24))
-    b["out_cache_loc"] = bulk(rng, T, 1, full - 1, slot_pool(full), rate)
+    b["out_cache_loc"] = padded_tokens(rng, T, owned, full, rate)
     b["input_ids"] = bulk(rng, T, 0, 1000, extremes(0), rate)
     b["positions"] = bulk(rng, T, 0, max_len + 2, extremes(max_len), rate)
     if draw(st.booleans()):
@@ -179,8 +179,38 @@ def batches(draw, eng: dict, max_batch: int):
     b["swa_window"] = draw(st.sampled_from([0, 0, 1, 2, 3, I32_MAX]))
     if eng["swa"]:
         b["swa_map"] = bulk(rng, max(map_len, 0), 0, ns - 1, slot_pool(ns), rate)
-        b["swa_out_cache_loc"] = bulk(rng, T, 1, ns - 1, slot_pool(ns), rate)
+        b["swa_out_cache_loc"] = padded_tokens(rng, T, owned, ns, rate)
+    poke_reads(draw, b, ns, full)
     return b
+
+
+def padded_tokens(rng, T: int, owned: int, n: int, rate: float) -> np.ndarray:
+    """Slots of T new tokens: the ``owned`` ones (and a fraction ``rate`` of the rest) real or
+    hostile, the tokens past them padding as engines pad (-1 skip, or 0 the padding slot)."""
+    loc = bulk(rng, T, 1, n - 1, slot_pool(n), rate)
+    padding = (np.arange(T) >= owned) & (rng.random(T) >= rate)
+    return np.where(padding, rng.choice(np.array([-1, 0], np.int64), T), loc)
+
+
+def poke_reads(draw, b: dict, ns: int, full: int) -> None:
+    """Hostile values exactly where the kernels read a request's slots: its last cached position
+    (the write's seed and the last entry), its window's first entry and the slot before it (where a
+    0 is legitimate), in req_to_token or, with a map, in the map entry that position names."""
+    rtt, swa_map, window = b["req_to_token"], b.get("swa_map"), b["swa_window"]
+    rows, max_len = rtt.shape
+    bs = len(b["req_pool_indices"])
+    for _ in range(draw(st.sampled_from([0, 1, 2, 3])) if bs else 0):
+        r = draw(sizes(0, bs - 1))
+        row, prefix = int(b["req_pool_indices"][r]), int(b["prefix_lens"][r])
+        if not (1 <= row < rows and 1 <= prefix <= max_len):
+            continue
+        lo = prefix - window if 0 < window < prefix else 0
+        pos = draw(st.sampled_from(sorted({prefix - 1, lo, max(lo - 1, 0)})))
+        full_slot = int(rtt[row, pos])
+        if swa_map is not None and 0 <= full_slot < len(swa_map) and draw(st.booleans()):
+            swa_map[full_slot] = draw(st.sampled_from(slot_pool(ns)))
+        else:
+            rtt[row, pos] = draw(st.sampled_from(rtt_pool(full)))
 
 
 @st.composite
