@@ -161,8 +161,8 @@ def batches(draw, eng: dict, max_batch: int):
         b["expected_input_ids"] = np.where(rng.random(T) < 0.2, b["input_ids"] + 1, b["input_ids"])
         b["expected_positions"] = np.where(rng.random(T) < 0.2, b["positions"] ^ 1, b["positions"])
     if draw(st.booleans()):
-        # Known bug (test_known_bug_expected_pool_shorter_than_req_to_token): a pool with fewer
-        # rows than req_to_token is read out of bounds, so the pool here has at least its rows.
+        # A pool with fewer rows than req_to_token is rejected on the host (see
+        # test_regression_expected_pool_shorter_than_req_to_token), so the pool here has at least its rows.
         # Lengths and offsets that put a request's last cached position right at the end of
         # what it may read (pos + offset == valid length) come first.
         offset = draw(st.sampled_from([0, 1, -1, 2, 3, -3, 1 << 62, -(1 << 62), max_len, -max_len]))

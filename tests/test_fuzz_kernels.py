@@ -278,7 +278,7 @@ def test_snapshot_fixed_size(emulator):
     guarded.run_forked(flow)
 
 
-# ---- bugs this suite found (minimal examples; xfail until the kernels or the host handle them) ------------
+# ---- bugs this suite found (minimal examples, kept as regression tests; both are fixed) ------------------
 def _one_request_flow(placement, rtt, rpi, prefix, extend, **extra):
     def flow():
         w = World(placement)
@@ -297,16 +297,15 @@ def _one_request_flow(placement, rtt, rpi, prefix, extend, **extra):
     return flow
 
 
-@pytest.mark.xfail(strict=True, reason="kernel bug: an expected_pool with fewer rows than req_to_token is read "
-                   "out of bounds (kvc_expected_token trusts row < rtt_rows <= the pool's rows; nothing checks the "
-                   "second part on the host)")
-def test_known_bug_expected_pool_shorter_than_req_to_token(emulator):
+# Was: an expected_pool with fewer rows than req_to_token was read out of bounds (kvc_expected_token trusted
+# row < rtt_rows <= the pool's rows). Now the host rejects such a pool before any launch.
+def test_regression_expected_pool_shorter_than_req_to_token(emulator):
     guarded.run_forked(_one_request_flow("end", [[1], [1]], [1], [1], [0],
                                          expected_pool=np.zeros((1, 1), np.int64)))
 
 
-@pytest.mark.xfail(strict=True, reason="kernel bug: kvc_prepare sums extend_lens in int64 unchecked; a huge "
-                   "extend wraps the sum and the TOKENS_UNOWNED scan indexes out_cache_loc out of bounds")
-def test_known_bug_extend_lens_sum_overflows(emulator):
+# Was: kvc_prepare summed extend_lens in int64 unchecked; a huge extend wrapped the sum and the TOKENS_UNOWNED
+# scan indexed out_cache_loc out of bounds. Now each length is clamped to MAX_REQUEST_TOKENS.
+def test_regression_extend_lens_sum_overflows(emulator):
     guarded.run_forked(_one_request_flow("end", [[1], [1]], [1], [0], [fc.I64_MAX],
                                          out_cache_loc=np.array([-1], np.int64)))
