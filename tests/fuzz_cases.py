@@ -145,7 +145,8 @@ def batches(draw, eng: dict, max_batch: int):
     # with a map, req_to_token holds full-pool slots, checked against the map's length
     map_len = draw(st.sampled_from([full, full, full - 1, full + 1, 0, full // 2])) if eng["swa"] else full
     b["req_to_token"] = bulk(rng, (rows, max_len), 1, full - 1, rtt_pool(full) + rtt_pool(map_len), rate, np.int32)
-    owned = int(np.where(b["req_pool_indices"] != 0, np.maximum(b["extend_lens"], 0), 0).sum())
+    owned = sum(max(int(e), 0) for r, e in zip(b["req_pool_indices"].tolist(), b["extend_lens"].tolist())
+                if r != 0)  # Python ints: hostile extends overflow an int64 sum
     T = draw(st.one_of(st.just(owned), sizes(0, 24)) if owned <= 24 else sizes(0, 24))
     b["out_cache_loc"] = padded_tokens(rng, T, owned, full, rate)
     b["input_ids"] = bulk(rng, T, 0, 1000, extremes(0), rate)
