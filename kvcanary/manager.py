@@ -425,10 +425,10 @@ class KvCanary:
         """Wait for the device and report everything up to now, also what launches after the last
         step's snapshot found (a sweep, an export): shutdown and tests; this one synchronises."""
         with self._lock:
-            if self.backend.cached_launches:  # one more snapshot, behind everything enqueued so far
-                from .memory import context_synchronize
+            if self.backend.cached_launches:  # one more snapshot, behind everything enqueued so far,
+                from .memory import context_synchronize  # labelled with the last step it covers
                 context_synchronize(self.device)
-                self.pump.snapshot(PER_THREAD_STREAM, self._meta())
+                self.pump.snapshot(PER_THREAD_STREAM, (self.step - 1, *self._meta()[1:]))
             try:
                 for snap, meta in self.pump.drain(self._meta()):
                     self._process(snap, meta)

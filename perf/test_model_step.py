@@ -108,6 +108,8 @@ def make_canary(model, bs: int, ctx: int, layers: str, setup, stream: int):
     if setup is not None:
         canary.before_forward(setup, stream=stream)
         canary.after_forward(setup, stream=stream)
+        import torch
+        torch.cuda.synchronize()  # the graph's warm-up runs on another stream: an engine orders its steps, so do we
     return canary
 
 

@@ -267,6 +267,8 @@ def test_a_canary_launches_on_the_device_of_its_arrays(fake):
     # a snapshot per step, and flush's own behind everything enqueued
     assert fake.by_device[2].count("kvc_snapshot") == 4 + 1 and fake.by_device[2].count("kvc_write") == 8
     assert [(r["slot_idx"], r["step"]) for r in records if r["type"] == "violation"] == [(11, 3)]
+    # flush's snapshot is labelled with the last step it covers (3), not the next one
+    assert [r["step"] for r in records if r["type"] == "stats"][-2:] == [3, 3]
     assert fake.stack() == [] and fake.errors == []
 
 
