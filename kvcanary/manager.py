@@ -425,12 +425,12 @@ class KvCanary:
         """Wait for the device and report everything up to now, also what launches after the last
         step's snapshot found (a sweep, an export): shutdown and tests; this one synchronises."""
         with self._lock:
-            if self.backend.cached_launches:  # one more snapshot, behind everything enqueued so far,
-                from .memory import context_synchronize  # labelled with the last step it covers
-                context_synchronize(self.device)
-                self.pump.snapshot(PER_THREAD_STREAM, (self.step - 1, *self._meta()[1:]))
+            taken = []
+            if self.backend.cached_launches:  # one more snapshot, behind everything enqueued so far and
+                taken = self.pump.drain()     # in a free slot (a full FIFO would skip it); labelled with
+                self.pump.snapshot(PER_THREAD_STREAM, (self.step - 1, *self._meta()[1:]))  # the last step
             try:
-                for snap, meta in self.pump.drain(self._meta()):
+                for snap, meta in taken + self.pump.drain():
                     self._process(snap, meta)
             finally:
                 self._consume(None)

@@ -226,6 +226,23 @@ def record_violation(canary, slot: int) -> None:
     wi.value += 1
 
 
+def test_flush_snapshots_behind_everything_even_with_every_fifo_slot_in_flight(fake):
+    """A finding enqueued after every snapshot slot was taken (the device DEPTH steps behind,
+    then a sweep) is reported by flush: its own snapshot waits for a free slot, never skipped."""
+    records = []
+    canary, batch = make_canary(2, records=records), make_batch(2)
+    for _ in range(2):
+        step(canary, batch)
+    pump = canary.pump
+    while pump.snapshot(driver.PER_THREAD_STREAM, canary._meta()):
+        pass
+    assert pump.in_flight == pump.DEPTH
+    record_violation(canary, 11)
+    canary.flush()
+    assert [(r["slot_idx"], r["step"]) for r in records if r["type"] == "violation"] == [(11, 1)]
+    assert pump.in_flight == 0
+
+
 # ---- per-device state ----------------------------------------------------------------------------
 def test_each_device_has_its_own_runtime_context_and_library(fake):
     rts = [driver.runtime(d) for d in range(3)]
