@@ -426,11 +426,13 @@ class KvCanary:
         step's snapshot found (a sweep, an export): shutdown and tests; this one synchronises."""
         with self._lock:
             taken = []
-            if self.backend.cached_launches:  # one more snapshot, behind everything enqueued so far and
-                taken = self.pump.drain()     # in a free slot (a full FIFO would skip it); labelled with
-                self.pump.snapshot(PER_THREAD_STREAM, (self.step - 1, *self._meta()[1:]))  # the last step
+            if self.backend.cached_launches:
+                # one more snapshot behind everything enqueued so far, in a slot freed first (a full
+                # FIFO would skip it), labelled with the last step it covers
+                taken = self.pump.drain(self._meta())
+                self.pump.snapshot(PER_THREAD_STREAM, (self.step - 1, *self._meta()[1:]))
             try:
-                for snap, meta in taken + self.pump.drain():
+                for snap, meta in taken + self.pump.drain(self._meta()):
                     self._process(snap, meta)
             finally:
                 self._consume(None)
