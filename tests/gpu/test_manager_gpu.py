@@ -160,6 +160,25 @@ def small_canary(**kw):
     return canary, batch, records
 
 
+class Gate:
+    """Holds a stream at a cuStreamWaitValue32 on a pinned word until the host opens it: the device
+    stays behind the host however slowly the host runs (a timed sleep did not under memcheck)."""
+
+    def __init__(self, stream: int):
+        d = driver._driver()
+        self.word = memory.PinnedBuffer((1,), np.uint32, 0, mapped=True)
+        rt = driver.runtime(0)
+        res = rt.call(d.cuStreamWaitValue32, rt.cu_stream(stream), self.word.device_ptr, 1,
+                      d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
+        memory.check(res, "cuStreamWaitValue32")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.word.array[0] = 1  # opened before any wait on the stream, even when an assert failed
+
+
 @pytest.mark.emulated
 def test_snapshot_kernel_copies_the_status_block_then_its_completion_word():
     host = np.arange(1, 301, dtype=np.int64) * -3  # a few hundred words, more than one block's pass
@@ -185,13 +204,12 @@ def test_snapshots_in_order_skipped_when_full_then_flushed():
     canary.after_forward(batch, stream=s)
     canary.flush()
     first = canary.step
-    with torch.cuda.stream(stream):
-        torch.cuda._sleep(400_000_000)  # the device runs ~0.2 s behind the host
-    for _ in range(DEPTH + 3):
-        canary.before_forward(batch, stream=s)
-        canary.after_forward(batch, stream=s)
-    assert canary.pump.skipped == 3 and canary.pump.fifo.in_flight == DEPTH
-    assert canary._last[1][0] == first - 1, "a snapshot completed before the device got there"
+    with Gate(s):  # the device stays behind the host until the gate opens
+        for _ in range(DEPTH + 3):
+            canary.before_forward(batch, stream=s)
+            canary.after_forward(batch, stream=s)
+        assert canary.pump.skipped == 3 and canary.pump.fifo.in_flight == DEPTH
+        assert canary._last[1][0] == first - 1, "a snapshot completed before the device got there"
     canary.flush()
     steps = [r["step"] for r in records if r["type"] == "stats"]
     # the DEPTH snapshots in flight, then flush's own, labelled with the last step it covers (a skipped one)
@@ -219,19 +237,18 @@ def test_capture_with_snapshots_in_flight():
     canary.before_forward(batch, stream=s)  # packs the launches outside the capture
     canary.after_forward(batch, stream=s)
     canary.flush()
-    with torch.cuda.stream(stream):
-        torch.cuda._sleep(400_000_000)  # keeps the next steps' snapshots in flight
-    for _ in range(3):
-        canary.before_forward(batch, stream=s)
-        canary.after_forward(batch, stream=s)
-    assert canary.pump.fifo.in_flight == 3
-    snapshots, step = canary.pump.launches, canary.step
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):  # global capture mode: the pump makes no event query
-        cs = torch.cuda.current_stream().cuda_stream
-        canary.before_forward(batch, stream=cs)
-        canary.after_forward(batch, stream=cs)
-    assert canary.pump.launches == snapshots and canary.step == step
+    with Gate(s):  # keeps the next steps' snapshots in flight
+        for _ in range(3):
+            canary.before_forward(batch, stream=s)
+            canary.after_forward(batch, stream=s)
+        assert canary.pump.fifo.in_flight == 3
+        snapshots, step = canary.pump.launches, canary.step
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):  # global capture mode: the pump makes no event query
+            cs = torch.cuda.current_stream().cuda_stream
+            canary.before_forward(batch, stream=cs)
+            canary.after_forward(batch, stream=cs)
+        assert canary.pump.launches == snapshots and canary.step == step
     with torch.cuda.stream(stream):
         for _ in range(4):
             g.replay()
