@@ -365,7 +365,7 @@ class KvCanary:
         num_slots = bufs[0].num_slots
         exporting = records is None
         with self._lock:
-            if self.backend.device is None or isinstance(slots, (list, tuple, np.ndarray)):
+            if self.backend.device is None or isinstance(slots, (list, tuple, np.ndarray, int, np.integer)):
                 host = rec.host_slots(slots, num_slots, "export_records" if exporting else "import_records")
                 n = len(host)
                 dev_slots = host if self.backend.device is None else self.backend.to_device(host)

@@ -110,6 +110,11 @@ def buffers(canary, group: str) -> list:
 
 
 def host_slots(slots, num_slots: int, what: str) -> np.ndarray:
+    if isinstance(slots, (int, np.integer)) or getattr(slots, "ndim", 1) == 0:
+        v = np.asarray(slots).item()
+        raise ValidationError(f"kv-canary: {what} slots must be a 1-D sequence of ints, got the scalar "
+                              f"{v!r} ({type(slots).__name__}). Fix: pass a list or an int64 array, "
+                              f"e.g. [{v!r}] for one slot")
     try:
         s = np.ascontiguousarray(slots, np.int64).reshape(-1)
     except (TypeError, ValueError) as exc:

@@ -231,3 +231,16 @@ def test_heat_map_has_axis_titles_a_colour_bar_and_a_legend(tmp_path):
     assert "not covered" in legend.get_texts()[0].get_text()
     assert "not covered" in [t.get_text() for t in ax.texts]   # K12 in none
     assert heatmap(res, str(tmp_path / "c.png")) == str(tmp_path / "c.png") and (tmp_path / "c.png").stat().st_size
+
+
+def test_an_engine_error_before_the_fault_landed_fails_the_campaign():
+    # On the GPU backend the K5 reload once raised a ValidationTypeError in 4 of 9 injections;
+    # they counted as "not exercised" and the campaign still passed.
+    res = campaign.run_campaign(["K3"], ["none"], injections=1, seed=4)
+    assert passed(res) and "ERROR:" not in format_table(res)
+    broken = dict(res, runs=res["runs"] + [dict(res["runs"][0], outcome="not_exercised", injected_step=None,
+                                                error="ValidationTypeError: kv-canary: slots: ...")])
+    assert not passed(broken)
+    assert "ERROR: K3/none seed" in format_table(broken) and "failed before its fault landed" in format_table(broken)
+    late = dict(res, runs=res["runs"] + [dict(res["runs"][0], error="IndexError: after the fault")])
+    assert passed(late)  # a corrupted engine tripping over itself after its fault is not the harness's fault

@@ -143,6 +143,9 @@ def test_bad_slots_and_counts_are_refused():
     a.prefill(SRC)
     with pytest.raises(kc.ValidationError, match=r"slots must lie in \[0, 96\), got 96"):
         a.canary.export_records([5, 96])
+    for scalar in (5, np.int64(5), np.array(5)):  # one slot is [5]: a scalar is refused on every backend
+        with pytest.raises(kc.ValidationError, match=r"got the scalar 5 .*Fix: pass .*\[5\] for one slot"):
+            a.canary.export_records(scalar)
     r = a.canary.export_records(SRC)
     with pytest.raises(kc.ValidationError, match="one record per slot"):
         a.canary.import_records([1, 2], r)

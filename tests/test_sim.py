@@ -3,6 +3,8 @@ public step API must report nothing while it exercises every feature the fault c
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -105,3 +107,21 @@ def test_engine_runs_clean_on_the_gpu(mode):
     eng.finish()
     assert eng.violations == [] and eng.stats()["verified_slots"] > 10_000
     assert all(eng.counts[f] for f in ("prefix_hit_tokens", "drafts_rejected", "swept_slots"))
+
+
+def test_a_sweeps_rows_count_in_the_engine_step_that_swept():
+    # A sweep after step t's after_forward carries the kv step label of step t + 1; on the device
+    # its rows arrive with step t + 1's snapshot. They belong to step t (the GPU campaign counted
+    # them one step late: read latency 1 for K2 and K10).
+    eng = Engine(busy(sweep_every=0), hash_mode="none")
+    none = np.zeros(0, np.int64)
+    eng.cache.sweep = lambda: eng._canary(eng.kv.sweep, none, none, none, group="FULL")
+    eng.cfg = replace(eng.cfg, sweep_every=1)  # every step sweeps (nothing: the rows are fed below)
+    for _ in range(3):
+        eng.step()
+    swept_at, label = eng.t - 1, eng.kv.step  # step 2 swept under the label of step 3
+    eng.step()
+    row = dict(type="violation", step=label, slot_idx=5, position=0, fail_reason=["verify_chain_hash"])
+    eng._export(dict(row, launch_tag="SWEEP_K_FULL"))
+    eng._export(dict(row, launch_tag="HEAD_K_FULL"))
+    assert [v["step"] for v in eng.violations] == [swept_at, swept_at + 1]

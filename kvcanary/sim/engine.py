@@ -58,7 +58,7 @@ class Engine:
         self.running: list[Req] = []
         self.pending: list[tuple[np.ndarray, int]] = []
         self.violations: list[dict] = []
-        self.t, self._rid, self._kvsteps = 0, 0, {}
+        self.t, self._rid, self._kvsteps, self._sweepsteps = 0, 0, {}, {}
         self.counts: Counter = Counter()  # what the workload exercised (prefix hits, drafts, ...)
         self.system_prompts = [self.rng.integers(1, cfg.vocab, int(self.rng.integers(8, 64)))
                                for _ in range(cfg.num_system_prompts)]
@@ -74,12 +74,15 @@ class Engine:
     # ---- canary reports --------------------------------------------------------------------------
     def _export(self, rec: dict) -> None:
         if rec.get("type") == "violation":
-            self.violations.append(dict(step=self._kvsteps.get(rec["step"], self.t), tag=rec["launch_tag"],
+            # a sweep between steps carries the next step's label (on the device its rows come with
+            # that step's snapshot): its own map keeps it on the engine step that swept
+            steps = self._sweepsteps if rec["launch_tag"].startswith("SWEEP") else self._kvsteps
+            self.violations.append(dict(step=steps.get(rec["step"], self.t), tag=rec["launch_tag"],
                                         group=rec["launch_tag"].rsplit("_", 1)[1], slot=rec["slot_idx"],
                                         position=rec["position"], reasons=rec["fail_reason"]))
 
     def _canary(self, call, *args, **kw) -> None:
-        self._kvsteps[self.kv.step] = self.t
+        (self._sweepsteps if call == self.kv.sweep else self._kvsteps)[self.kv.step] = self.t
         try:
             call(*args, **kw)
         except CanaryViolationError as exc:

@@ -33,7 +33,8 @@ def _restore(eng, x, idx, names=None, records: bool = True) -> None:
 
 def _put(eng, x, dst_idx, src_idx) -> None:
     """Copy host element ``src_idx`` (KV, records, content) into destination ``dst_idx``."""
-    h, dst = x.entry, x.dst[dst_idx]
+    h, dst_idx, src_idx = x.entry, np.atleast_1d(dst_idx), np.atleast_1d(src_idx)
+    dst = x.dst[dst_idx]
     for k in eng.full.specs:
         eng.full.write(k, dst, h.kv[k][src_idx])
     eng.kv.import_records(dst, h.records.take(src_idx), group="FULL")

@@ -36,6 +36,8 @@ def format_table(result: dict, clean: list[dict] | None = None) -> str:
     bad = [r for r in result["runs"] if r["clean_violations"] or r["error"]]
     if bad:
         lines.append(f"WARNING: {len(bad)} injection(s) with violations before the fault or engine errors")
+    for r in harness_errors(result)[:3]:
+        lines.append(f"ERROR: {r['cls']}/{r['mode']} seed {r['seed']} failed before its fault landed: {r['error']}")
     for c in clean or []:
         lines.append(f"clean run ({c['hash_mode']}): {c['verified_slots']:,} verified slots, "
                      f"{c['protected_tokens']:,} protected tokens, {c['false_positives']} false positive(s), "
@@ -59,10 +61,17 @@ def not_covered_lines(result: dict) -> list[str]:
     return lines
 
 
+def harness_errors(result: dict) -> list[dict]:
+    """Injections whose engine raised before the fault landed: the sim or the library is broken
+    there (a corrupted engine tripping over itself comes after its fault)."""
+    return [r for r in result.get("runs", ()) if r["error"] and r["injected_step"] is None]
+
+
 def passed(result: dict, clean: list[dict] | None = None) -> bool:
-    """Every exercised injection of a covered pair detected, nothing reported on clean runs."""
+    """Every exercised injection of a covered pair detected, nothing reported on clean runs, no
+    engine error before a fault landed."""
     return (all(x["missed"] == 0 and x["clean_violations"] == 0 for x in result["cells"].values() if x["covered"])
-            and all(c["false_positives"] == 0 for c in clean or []))
+            and all(c["false_positives"] == 0 for c in clean or []) and not harness_errors(result))
 
 
 def write_json(result: dict, clean: list[dict] | None, path: str) -> str:

@@ -86,3 +86,13 @@ def test_device_slots_outside_the_pool_are_reported_not_read():
     assert all(x["fail_reason_bits"] == int(FailReason.SLOT_OUT_OF_RANGE) for x in rows)
     host = r.to_host().records
     assert not host[:, 1].any() and not host[:, 2].any() and host[:, 0].any()  # bad slots: nothing copied
+
+
+@pytest.mark.parametrize("device", [None, 0])
+def test_a_scalar_slot_is_refused_alike_on_both_backends(device):
+    # the campaign's K5 injector once passed dst[i]: the host canary took it as [i], the device
+    # canary raised a type error; one slot is [i] on both
+    canary, _, _, _ = side(device, 5)
+    for scalar in (5, np.int64(5), np.array(5)):
+        with pytest.raises(kc.ValidationError, match=r"got the scalar 5 .*\[5\] for one slot"):
+            canary.export_records(scalar)
