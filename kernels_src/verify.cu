@@ -45,13 +45,31 @@ __device__ __forceinline__ KvcRecord kvc_load_record(const P& p, long long slot,
   return {w[KVC_FIELD_TOKEN], w[KVC_FIELD_POSITION], (uint64_t)w[KVC_FIELD_PREV_HASH], (uint64_t)w[KVC_FIELD_REAL_KV_HASH]};
 }
 
-// Launch prologue (§6 step 1): count the launch; the number of active entries, or -1 when the
-// plan is disabled.
+// The self-test of run `run` (§11): the canary-only record holds position SELF_TEST_POSITION + 1
+// where SELF_TEST_POSITION is expected, so a working check reports it: a SELF_TEST row (slot
+// num_slots: past the pool's slots; aux: the run) with the mismatch bits the comparison found.
+template <class P>
+__device__ __noinline__ void kvc_self_test(const P& p, unsigned long long run) {
+  const long long* f = p.self_test;
+  const long long token = f[KVC_FIELD_TOKEN], position = f[KVC_FIELD_POSITION];
+  long long bits = KVC_SELF_TEST;
+  if (position != KVC_SELF_TEST_POSITION) bits |= KVC_VERIFY_POSITION_MISMATCH;
+  if (token != KVC_SELF_TEST_TOKEN) bits |= KVC_VERIFY_TOKEN_MISMATCH;
+  kvc_record(p, p.num_slots, KVC_SELF_TEST_POSITION, token, KVC_SELF_TEST_TOKEN, (uint64_t)f[KVC_FIELD_PREV_HASH],
+             (uint64_t)run, bits);
+}
+
+// Launch prologue (§6 step 1): count the launch (and run the self-test when this run is due);
+// the number of active entries, or -1 when the plan is disabled.
 template <class P>
 __device__ __forceinline__ long long kvc_verify_begin(const P& p, const int* enable, const int* num_valid,
                                                       long long capacity) {
   const bool first = blockIdx.x == 0 && threadIdx.x == 0;
-  if (first) atomicAdd(p.kernel_run_counter, 1ULL);
+  if (first) {
+    const unsigned long long run = atomicAdd(p.kernel_run_counter, 1ULL) + 1ULL;
+    if (p.self_test != 0 && p.self_test_every > 0 && run % (unsigned long long)p.self_test_every == 0ULL)
+      kvc_self_test(p, run);
+  }
   if (*enable == 0) return -1;
   const long long active = kvc_clamp(*num_valid, 0, capacity);
   if (first) atomicAdd(p.slot_run_counter, (unsigned long long)active);

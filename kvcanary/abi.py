@@ -65,6 +65,10 @@ PREV_ON_PADDING = -3         # plan prev_slot: a required predecessor is the pad
 SEED_INVALID = -(1 << 63)    # WritePlan.seed of a request the plan builder rejected: + BatchField code
 INT32_MASK = 0xFFFFFFFF      # the low int32 of an int64 status cell (little-endian)
 MAX_REQUEST_TOKENS = (1 << 31) - 1  # new tokens a request owns at most (sums over a batch never wrap)
+# The self-test record (docs/format.md §11): a verify that expects SELF_TEST_POSITION and
+# SELF_TEST_TOKEN at a canary-only slot whose record holds SELF_TEST_POSITION + 1 (known bad).
+SELF_TEST_TOKEN = 0x5E1F7E57
+SELF_TEST_POSITION = 0
 
 
 class FailReason(enum.IntFlag):
@@ -79,6 +83,8 @@ class FailReason(enum.IntFlag):
       req_to_token, a padding row before a real one, tokens past the batch's write ranges, entry
       offsets that disagree with the batch). The row's EXPECTED_TOKEN names the field (BatchField).
     - PADDING_SLOT_READ: a real request's verify entry, or its required predecessor, is slot 0.
+    - SELF_TEST: the row of a verify launch's self-test (docs/format.md §11): the canary-only
+      known-bad record the launch checked every ``self_test_every``-th run. Not a violation.
     """
 
     VERIFY_CHAIN_HASH_MISMATCH = 1
@@ -90,6 +96,7 @@ class FailReason(enum.IntFlag):
     SLOT_OUT_OF_RANGE = 64
     BATCH_INDEX_OUT_OF_RANGE = 128
     PADDING_SLOT_READ = 256
+    SELF_TEST = 512
 
 
 class BatchField(enum.IntEnum):
@@ -222,6 +229,13 @@ COMMON = (
     _F("skip_counter", "ptr:unsigned long long"),  # 0, or verify entries skipped (plan != batch)
 )
 
+# Tail of both verify structs: the expected-token switch and the self-test (docs/format.md §11).
+_VERIFY_TAIL = (
+    _F("check_expected_token", "i32"),
+    _F("self_test_every", "i32"),                  # 0 = off
+    _F("self_test", "ptr:const long long"),        # the canary-only known-bad record (FIELDS_PER_SLOT words)
+)
+
 VERIFY_PARAMS = StructDecl("KvcVerifyParams", COMMON + (
     _F("plan_slot", "ptr:const long long"),
     _F("plan_expected_token", "ptr:const long long"),
@@ -230,8 +244,7 @@ VERIFY_PARAMS = StructDecl("KvcVerifyParams", COMMON + (
     _F("plan_num_valid", "ptr:const int"),
     _F("plan_enable", "ptr:const int"),
     _F("plan_capacity", "i64"),
-    _F("check_expected_token", "i32"),
-    _F("_pad0", "i32"),
+    *_VERIFY_TAIL,
 ))
 
 WRITE_PARAMS = StructDecl("KvcWriteParams", COMMON + (
@@ -290,10 +303,7 @@ EXPAND_PARAMS = StructDecl("KvcExpandParams", _BATCH + (
     _F("plan_prev_slot", "ptr:long long"),
 ))
 
-FUSED_VERIFY_PARAMS = StructDecl("KvcFusedVerifyParams", COMMON + _BATCH + (
-    _F("check_expected_token", "i32"),
-    _F("_pad0", "i32"),
-))
+FUSED_VERIFY_PARAMS = StructDecl("KvcFusedVerifyParams", COMMON + _BATCH + _VERIFY_TAIL)
 
 # Records that travel (kernels_src/records.cu): the group's buffers (canary = the first), the slots
 # and the compact [buffers, n, FIELDS_PER_SLOT] array; the _COMMON ring fields report bad slots.
@@ -437,6 +447,7 @@ def constants() -> dict[str, int]:
         "KVC_SEED_INVALID": SEED_INVALID, "KVC_INT32_MASK": INT32_MASK,
         "KVC_MAX_REQUEST_TOKENS": MAX_REQUEST_TOKENS, "KVC_MAX_RECORD_BUFFERS": MAX_RECORD_BUFFERS,
         "KVC_FIELDS_PER_SLOT": FIELDS_PER_SLOT,
+        "KVC_SELF_TEST_TOKEN": SELF_TEST_TOKEN, "KVC_SELF_TEST_POSITION": SELF_TEST_POSITION,
     }
     for field in BatchField:
         out[f"KVC_BATCH_{field.name}"] = int(field)

@@ -121,7 +121,7 @@ class KvCanary:
                  verify_capacity: int = 1 << 20, ring_capacity: int = abi.DEFAULT_RING_CAPACITY,
                  sweep_capacity: int = 1 << 16, check_expected_token: bool = False,
                  chain_position_assert: bool = False, fused: bool = True, stats_every: int = 0,
-                 export=None):
+                 self_test_every: int = 0, export=None):
         mode_hash = parse_hash_mode(hash_mode)
         for name, g in (("full", full), ("swa", swa)):
             if g is not None or name == "full":
@@ -141,6 +141,8 @@ class KvCanary:
         integer("verify_capacity", verify_capacity, lo=1, hi=INT32_MAX)
         integer("sweep_capacity", sweep_capacity, lo=1, hi=INT32_MAX)
         integer("stats_every", stats_every, lo=0)
+        integer("self_test_every", self_test_every, lo=0, hi=INT32_MAX,
+                fix="pass 0 (off) or the number of steps between self-tests, e.g. 1000")
         self.check_expected_token = boolean("check_expected_token", check_expected_token)
         self.fused, self.stats_every = boolean("fused", fused), stats_every
         boolean("chain_position_assert", chain_position_assert)
@@ -157,6 +159,9 @@ class KvCanary:
         self._ring = be.zeros((ring_capacity, abi.RING_COLS), np.int64)
         self.ring_capacity = ring_capacity
         flag = be.zeros((1,), np.int32)
+        # the self-test (docs/format.md §11) rides on the first HEAD verify of the FULL group
+        self._self_test_key = Key("HEAD", "FULL", full.resolved_halves()[0], "verify")
+        self.self_test_every, self._self_tests, self._self_test_faults = self_test_every, 0, []
         buffers = {(st, g, h): CanaryBuffer.allocate(grp.num_slots, device=device)
                    for g, grp in self.groups.items() for h in grp.resolved_halves() for st in STAGES}
         self.ctx: dict[Key, VerifyContext] = {}
@@ -170,7 +175,8 @@ class KvCanary:
             sources = () if head else (grp.k_sources if key.half == "K" else grp.v_sources)
             self.ctx[key] = VerifyContext(buffers["HEAD" if head else "TAIL", key.group, key.half], sink,
                                           abi.LaunchTag[f"{key.stage}_{key.half}_{key.group}"], sources,
-                                          abi.HashMode.NONE if head else mode_hash, chain_position_assert=flag)
+                                          abi.HashMode.NONE if head else mode_hash, chain_position_assert=flag,
+                                          self_test_every=self_test_every if key == self._self_test_key else 0)
         if chain_position_assert:
             next(iter(self.ctx.values())).set_chain_position_assert(True)
         self.plans: dict[str, StepPlan] = {}
@@ -457,10 +463,34 @@ class KvCanary:
         start, stop, lost = self.ledger.take(snap[abi.STATUS_CLAIM], floor)
         if stop > start or lost:
             rows = self.backend.read_rows(self._ring, start, stop)
-            self.reporter.violations(decode_ring(rows, len(rows)).violations, step, lost, self.ledger.lost)
+            found = decode_ring(rows, len(rows)).violations
+            if self.self_test_every:
+                found = self._take_self_tests(found)
+            self.reporter.violations(found, step, lost, self.ledger.lost)
         if self.stats_every or self.reporter.wants_stats:
             emit = bool(self.stats_every) and step % self.stats_every == 0
             self.reporter.stats(self._stats(snap, step), emit)
+
+    def _take_self_tests(self, found: list) -> list:
+        """Count the self-test rows (not violations); keep what a broken self-test row looks like."""
+        tag, num_slots = self.ctx[self._self_test_key].tag, self.groups["FULL"].num_slots
+        want = abi.FailReason.SELF_TEST | abi.FailReason.VERIFY_POSITION_MISMATCH
+        out = []
+        for v in found:
+            if not v.reasons & abi.FailReason.SELF_TEST:
+                out.append(v)
+            elif (v.tag, v.slot, v.position, v.stored_token, v.reasons) == (tag, num_slots, abi.SELF_TEST_POSITION,
+                                                                            abi.SELF_TEST_TOKEN, want):
+                self._self_tests += 1
+            elif len(self._self_test_faults) < 4:
+                self._self_test_faults.append(str(v))
+        return out
+
+    def _self_tests_due(self, snap) -> int:
+        """Self-test rows the device should have written by this snapshot: one per self_test_every runs."""
+        if not self.self_test_every:
+            return 0
+        return int(self._runs(snap)[self.keys.index(self._self_test_key), 0]) // self.self_test_every
 
     def _runs(self, snap) -> np.ndarray:
         """(kernel runs, slot runs) per context of a snapshot, int64 [contexts, 2]."""
@@ -468,8 +498,10 @@ class KvCanary:
 
     def _stats(self, snap, step) -> dict:
         runs = self._runs(snap)
+        due = self._self_tests_due(snap)
         return {"step": step, "protected_tokens": int(runs[self._tokens_ctx, 1]),
-                "verified_slots": int(runs[self._verifies, 1].sum()), "violations": int(snap[abi.STATUS_CLAIM]),
+                "verified_slots": int(runs[self._verifies, 1].sum()),
+                "violations": int(snap[abi.STATUS_CLAIM]) - due, "self_tests": self._self_tests,
                 "violations_recorded": self.ledger.recorded, "ring_overflow": self.ledger.lost,
                 "skipped_verifies": self._skipped, "unattributed": int(snap[abi.STATUS_SKIPS]),
                 "export_errors": self.reporter.export.errors, "steps_behind": self.pump.in_flight,
@@ -506,11 +538,18 @@ class KvCanary:
             if snap[abi.STATUS_SKIPS]:
                 bad.append(f"{snap[abi.STATUS_SKIPS]} verify entries skipped because a launch's batch disagreed "
                            f"with the plan built at HEAD (BATCH_INDEX_OUT_OF_RANGE rows say which requests)")
+            due = self._self_tests_due(snap)
+            if self._self_tests < due or self._self_test_faults:
+                lost = f" (the ring overflowed: {self.ledger.lost} rows lost; raise ring_capacity)" if self.ledger.lost else ""
+                wrong = f"; rows that did not match the known-bad record: {self._self_test_faults}" \
+                    if self._self_test_faults else ""
+                bad.append(f"self-test: {self._self_tests} of {due} expected self-test rows arrived{lost}{wrong}")
             if bad:
                 raise KvCanaryError("kv-canary: health check failed, expected every enqueued canary launch to have "
-                                    "run on the batch its plan was built from, got: " + "; ".join(bad) + ". Fix: "
-                                    "keep the canary launches on the stream (or in the CUDA graph) that is replayed, "
-                                    "and pass the same batch to before_forward and after_forward")
+                                    "run on the batch its plan was built from (and every due self-test row to "
+                                    "arrive), got: " + "; ".join(bad) + ". Fix: keep the canary launches on the "
+                                    "stream (or in the CUDA graph) that is replayed, and pass the same batch to "
+                                    "before_forward and after_forward")
 
     def buffers(self) -> dict[tuple[str, str, str], np.ndarray]:
         """Host copies of the canary buffers by (HEAD/TAIL, group, half). Synchronises (debugging

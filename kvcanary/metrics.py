@@ -9,7 +9,8 @@ counters (exposed with the ``_total`` suffix)
     reason, so alert on a reason, and use ``kvcanary_violation_records_total{tag}`` (one per row)
     to count violations. ``kvcanary_verified_slots_total``, ``kvcanary_protected_tokens_total``,
     ``kvcanary_skipped_verifies_total``, ``kvcanary_ring_overflow_total`` (detected but not
-    recorded: ring full), ``kvcanary_export_errors_total``, ``kvcanary_unattributed_total``;
+    recorded: ring full), ``kvcanary_export_errors_total``, ``kvcanary_unattributed_total``,
+    ``kvcanary_self_tests_total`` (with ``self_test_every=N``: alert when it stops rising);
 gauges
     ``kvcanary_steps_behind`` (snapshots in flight), ``kvcanary_step`` (last reported step).
 
@@ -38,6 +39,7 @@ COUNTERS = {
     "ring_overflow": ("kvcanary_ring_overflow", "Violations detected but not recorded because the violation ring was full."),
     "export_errors": ("kvcanary_export_errors", "Records the export target failed to take."),
     "unattributed": ("kvcanary_unattributed", "Index errors counted on the device without a ring row."),
+    "self_tests": ("kvcanary_self_tests", "Self-test rows received (KvCanary(self_test_every=N)): the detector's heartbeat."),
 }
 GAUGES = {
     "steps_behind": ("kvcanary_steps_behind", "Status snapshots still in flight on the device."),

@@ -43,6 +43,11 @@ def _ref_counters(ctx: VerifyContext) -> dict:
     return dict(kernel_run_counter=s.kernel_run_view.host, slot_run_counter=s.slot_run_view.host, **_ref_sink(s))
 
 
+def _ref_self_test(ctx: VerifyContext) -> dict:
+    view = ctx.self_test_view
+    return dict(self_test=None if view is None else view.host, self_test_every=ctx.self_test_every)
+
+
 def _report(sink: ViolationSink):
     """Host rows -> the sink's ring, as kvc_record appends them."""
     return lambda rows: reference.ring_append(**_ref_sink(sink), rows=rows)
@@ -113,9 +118,10 @@ def prepare_verify(ctx: VerifyContext, plan: StepPlan, *, check_expected_token: 
     if ctx.device is None:
         reference.verify(canary=ctx.buffer.view.host, **{k: v.host for k, v in views.items()},
                          num_valid=num_valid.host, enable=enable.host, sources=_ref_sources(ctx),
-                         tag=int(ctx.tag), check_expected_token=check, **_ref_counters(ctx))
+                         tag=int(ctx.tag), check_expected_token=check, **_ref_counters(ctx), **_ref_self_test(ctx))
         return None
     p = ctx.params(abi.VerifyParams)
+    ctx.fill_self_test(p)
     p.plan_slot, p.plan_expected_token = views["slot"].ptr, views["expected_token"].ptr
     p.plan_expected_position, p.plan_prev_slot = views["expected_position"].ptr, views["prev_slot"].ptr
     p.plan_num_valid, p.plan_enable = num_valid.ptr, enable.ptr
@@ -301,6 +307,9 @@ def prepare_fused_verify(ctx: VerifyContext, batch: Batch, plan: StepPlan, *, sw
             expected_valid_lens=h("expected_valid_lens"), expected_token_offset=batch.expected_token_offset)
         s = ctx.sink
         s.kernel_run_view.host[0] += 1
+        test = _ref_self_test(ctx)
+        _report(s)(reference.self_test_rows(test["self_test"], test["self_test_every"], int(s.kernel_run_view.host[0]),
+                                            ctx.buffer.num_slots, int(ctx.tag)))
         if active >= 0:
             s.slot_run_view.host[0] += active
             if skipped and s.skips_view is not None:
@@ -308,6 +317,7 @@ def prepare_fused_verify(ctx: VerifyContext, batch: Batch, plan: StepPlan, *, sw
             _report(s)(rows)
         return None
     p = ctx.params(abi.FusedVerifyParams)
+    ctx.fill_self_test(p)
     _fill_batch(p, v, batch, plan, window, swa_map)
     p.check_expected_token = int(check)
     rt = _runtime(ctx.device)

@@ -19,7 +19,8 @@ import numpy as np
 
 from kvcanary.abi import (
     CHAIN_HEAD, FIELD_POSITION, FIELD_PREV_HASH, FIELD_REAL_KV_HASH, FIELD_TOKEN, FIELDS_PER_SLOT,
-    NO_EXPECTED_TOKEN, PREV_ON_PADDING, RING_COLS, SEED_INVALID, BatchField, FailReason,
+    NO_EXPECTED_TOKEN, PREV_ON_PADDING, RING_COLS, SEED_INVALID, SELF_TEST_POSITION, SELF_TEST_TOKEN, BatchField,
+    FailReason,
 )
 from kvcanary.hashing import ANCHOR_HASH, mix3, mix3_np, sm_np, to_i64
 
@@ -142,9 +143,24 @@ def _rows(tag, *cols) -> np.ndarray:
 
 
 # ---- verify (docs/format.md §6) --------------------------------------------------------------------------------
+def self_test_rows(record, every: int, run: int, num_slots: int, tag) -> np.ndarray:
+    """The row run number ``run`` (1, 2, ...) of a verify launch appends for its self-test
+    (docs/format.md §11): none unless ``every`` > 0 divides ``run``; else SELF_TEST plus the
+    mismatch bits of the canary-only ``record`` against SELF_TEST_TOKEN at SELF_TEST_POSITION,
+    at slot ``num_slots`` (past the pool's), expected aux = ``run``."""
+    if record is None or every <= 0 or run % every:
+        return np.zeros((0, RING_COLS), np.int64)
+    rec = np.asarray(record, np.int64)
+    token, position, prev = int(rec[FIELD_TOKEN]), int(rec[FIELD_POSITION]), int(rec[FIELD_PREV_HASH])
+    bits = int(FailReason.SELF_TEST)
+    bits |= _POSITION if position != SELF_TEST_POSITION else 0
+    bits |= _TOKEN if token != SELF_TEST_TOKEN else 0
+    return _rows(tag, [num_slots], [SELF_TEST_POSITION], [token], [SELF_TEST_TOKEN], [prev], [run], [bits])
+
+
 def verify(*, canary, slot, expected_token, expected_position, prev_slot, num_valid, enable, ring,
            write_index, kernel_run_counter, slot_run_counter, sources: Sequence[RefSource], tag,
-           check_expected_token, claim=None, consumed=None) -> None:
+           check_expected_token, claim=None, consumed=None, self_test=None, self_test_every: int = 0) -> None:
     """One verify launch over a materialised plan: check active entries, a ring row per mismatch.
 
     Effects: ``kernel_run_counter += 1`` always; if ``enable[0] != 0``, ``slot_run_counter +=
@@ -153,6 +169,8 @@ def verify(*, canary, slot, expected_token, expected_position, prev_slot, num_va
     ``canary`` is never modified.
     """
     kernel_run_counter[0] += 1
+    ring_append(ring, write_index, self_test_rows(self_test, self_test_every, int(kernel_run_counter[0]),
+                                                  _words(canary).shape[0], tag), claim, consumed)
     if int(enable[0]) == 0:
         return
     active = min(max(int(num_valid[0]), 0), len(slot))

@@ -17,7 +17,7 @@ from . import abi
 from .arrays import ArrayView, as_view
 from .errors import ValidationError, ValidationTypeError
 from .sources import MarshalledSource, RealKvSource, marshal_sources, resolved, source_list
-from .validate import boolean, device as check_device, hash_mode as parse_hash_mode, instance, integer, launch_tag
+from .validate import INT32_MAX, boolean, device as check_device, hash_mode as parse_hash_mode, instance, integer, launch_tag
 
 RING_CAPACITY_LIMIT = 1 << 24  # rows (1 GiB of ring): more would only hide a reporting backlog
 SLOTS_LIMIT = 1 << 40          # canary slots (32 TiB of records)
@@ -180,6 +180,7 @@ class VerifyContext:
     sources: Sequence[RealKvSource] = ()
     hash_mode: abi.HashMode = abi.HashMode.PARTIAL
     chain_position_assert: Any = None
+    self_test_every: int = 0
     marshalled: tuple[MarshalledSource, ...] = field(init=False)
     common: bytes = field(init=False, repr=False)
 
@@ -200,6 +201,21 @@ class VerifyContext:
                      *(m.view for m in self.marshalled)], "a VerifyContext")
         self.source_descs = self._pack_sources()
         self.common = self._pack_common()
+        integer("VerifyContext.self_test_every", self.self_test_every, lo=0, hi=INT32_MAX,
+                fix="pass 0 (off) or the number of verify launches between self-tests")
+        self.self_test_view = None
+        if self.self_test_every:  # the canary-only known-bad record (docs/format.md §11)
+            bad = np.array([abi.SELF_TEST_TOKEN, abi.SELF_TEST_POSITION + 1, 0, 0], np.int64)
+            if self.device is not None:
+                from . import memory
+                bad = memory.to_device(bad, device=self.device)
+            self._self_test = bad
+            self.self_test_view = checked(bad, "self_test", dtype=np.int64, shape=(abi.FIELDS_PER_SLOT,), ndim=1)
+
+    def fill_self_test(self, p) -> None:
+        """The self-test fields of a verify params struct (0: off)."""
+        if self.self_test_view is not None:
+            p.self_test, p.self_test_every = self.self_test_view.ptr, self.self_test_every
 
     @property
     def device(self) -> int | None:

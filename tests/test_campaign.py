@@ -244,3 +244,27 @@ def test_an_engine_error_before_the_fault_landed_fails_the_campaign():
     assert "ERROR: K3/none seed" in format_table(broken) and "failed before its fault landed" in format_table(broken)
     late = dict(res, runs=res["runs"] + [dict(res["runs"][0], error="IndexError: after the fault")])
     assert passed(late)  # a corrupted engine tripping over itself after its fault is not the harness's fault
+
+
+def test_a_campaign_run_in_parts_merges_into_the_one_shot_campaign(tmp_path):
+    from kvcanary.sim import merge
+    whole = campaign.run_campaign(["K3", "K9", "K12"], MODES, injections=1, seed=5)
+    a = campaign.run_campaign(["K12"], MODES, injections=1, seed=5)
+    b = campaign.run_campaign(["K3", "K9"], MODES, injections=1, seed=5)
+    clean = [campaign.clean_run(2000, hash_mode="all", seed=s) for s in (1, 2)]
+    paths = []
+    for name, part, c in (("a", a, [clean[0]]), ("b", b, [clean[1]])):
+        paths.append(write_json(part, c, str(tmp_path / name / "campaign.json")))
+    assert merge.main([*paths, "--out", str(tmp_path / "m")]) == 0
+    got = json.loads((tmp_path / "m" / "campaign.json").read_text())
+    assert got["classes"] == ["K3", "K9", "K12"]                  # CLASSES order, whichever part held them
+    assert got["cells"] == json.loads(json.dumps(whole["cells"]))  # rebuilt from the records: the same cells
+    (fp,) = got["clean_runs"]
+    assert fp["verified_slots"] == clean[0]["verified_slots"] + clean[1]["verified_slots"] and fp["runs"] == 2
+    summary = json.loads((tmp_path / "m" / "campaign-summary.json").read_text())
+    assert "runs" not in summary and summary["kept_runs"] == [] and summary["cells"] == got["cells"]
+    assert "result: every exercised injection" in (tmp_path / "m" / "campaign.txt").read_text()
+    with pytest.raises(ValidationError, match="cell K3/none is in parts 0 and 1"):
+        merge.merge([b, b])
+    with pytest.raises(ValidationError, match="must share seed"):
+        merge.merge([a, {**b, "seed": 6}])

@@ -65,12 +65,12 @@ def scrape(registry):
 class Engine:
     """One request on host pools stepped through a KvCanary (the README's first example)."""
 
-    def __init__(self, hash_mode: str = "partial"):
+    def __init__(self, hash_mode: str = "partial", **kw):
         self.k = np.zeros((64, 64), np.uint8)
         self.v = np.zeros((64, 64), np.uint8)
         group = kc.PoolGroup(64, k_sources=[kc.source_from_slots(self.k)], v_sources=[kc.source_from_slots(self.v)])
         self.canary = kc.KvCanary(group, device=None, hash_mode=hash_mode, mode="log", max_batch=4,
-                                  verify_capacity=1024)
+                                  verify_capacity=1024, **kw)
         self.rtt = np.zeros((2, 32), np.int32)
         self.rtt[1] = np.arange(5, 37)
         self.length = 0
@@ -107,7 +107,7 @@ def test_scraped_counters_follow_clean_steps_and_a_flipped_kv_byte(registry, scr
     clean = scrape()
     assert clean[series("verified_slots_total")] == verified([3, 4])
     assert not [key for key in clean if key[0].startswith("kvcanary_violation")], "a clean run has no violation series"
-    for name in ("skipped_verifies", "ring_overflow", "export_errors", "unattributed"):
+    for name in ("skipped_verifies", "ring_overflow", "export_errors", "unattributed", "self_tests"):
         assert clean[series(f"{name}_total")] == 0
     assert clean[series("protected_tokens_total")] == stats[-1]["protected_tokens"] > 0
     assert clean[series("step")] == stats[-1]["step"]
@@ -221,3 +221,15 @@ def test_without_prometheus_client_the_error_says_what_to_install(monkeypatch):
     with pytest.raises(metrics.MetricsUnavailableError, match=r"^kv-canary: .*Fix: pip install 'kvcanary\[metrics\]'"):
         metrics.PrometheusMetrics(FakeCanary())
     assert isinstance(metrics.MetricsUnavailableError("x"), ImportError)
+
+
+def test_self_tests_count_as_a_heartbeat_not_as_violations(registry, scrape):
+    from kvcanary.metrics import PrometheusMetrics
+    engine = Engine(self_test_every=2)
+    PrometheusMetrics(engine.canary, registry=registry, labels={"tp_rank": "0"})
+    for _ in range(5):
+        engine.step()
+    engine.canary.flush()
+    got = scrape()
+    assert got[series("self_tests_total")] == 2  # HEAD K verify runs 2 and 4 of 5
+    assert not [key for key in got if key[0].startswith("kvcanary_violation")]

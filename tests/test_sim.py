@@ -33,6 +33,8 @@ def test_engine_runs_clean_with_every_feature(mode):
     assert eng.violations == []
     stats = eng.stats()
     assert stats["violations"] == 0 and stats["skipped_verifies"] == 0
+    assert stats["self_tests"] == 150 // 5  # one HEAD verify per step, a self-test every 5th (SimConfig)
+    eng.kv.health_check()
     assert stats["verified_slots"] > 10_000 and stats["protected_tokens"] > 1_000
     missing = [f for f in FEATURES if eng.counts[f] == 0]
     assert not missing, f"workload never exercised {missing}: {dict(eng.counts)}"

@@ -288,6 +288,7 @@ def clean_run(min_verified: int = 10**6, *, hash_mode: str = "all", backend: str
         if verified >= min_verified:
             break
     eng.finish()
+    eng.kv.health_check()  # a clean engine's canary ran every launch and delivered every self-test
     s = eng.stats()
     return dict(hash_mode=hash_mode, backend=backend, steps=eng.t, verified_slots=s["verified_slots"],
                 protected_tokens=s["protected_tokens"], false_positives=len(eng.violations),

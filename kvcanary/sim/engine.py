@@ -69,6 +69,7 @@ class Engine:
         self.kv = KvCanary(group(self.full), swa, device=self.device, hash_mode=hash_mode, mode=report,
                            max_batch=cfg.max_running + cfg.pad_rows, verify_capacity=cfg.verify_capacity,
                            sweep_capacity=cfg.sweep_capacity, check_expected_token=True,
+                           self_test_every=cfg.self_test_every,
                            chain_position_assert=True, export=self._export if report == "log" else None)
 
     # ---- canary reports --------------------------------------------------------------------------

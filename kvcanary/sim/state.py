@@ -39,6 +39,7 @@ class SimConfig:
     cache_entries: int = 24
     host_entries: int = 12
     verify_capacity: int = 1 << 15
+    self_test_every: int = 5      # the canary's self-test (docs/format.md §11): its rows are never violations
     sweep_capacity: int = 1 << 12
     seed: int = 0
 

@@ -50,6 +50,25 @@ def test_session_on_gpu_equals_reference(swa, fault):
     dev.canary.health_check()
 
 
+def ring_rows(canary):
+    ring = canary._ring if isinstance(canary._ring, np.ndarray) else canary._ring.numpy()
+    claim = int((canary.status if isinstance(canary.status, np.ndarray) else canary.status.numpy())[kc.abi.STATUS_CLAIM])
+    return sorted(map(tuple, ring[:claim].tolist()))
+
+
+@pytest.mark.emulated
+@pytest.mark.parametrize("fused", [True, False])
+def test_self_test_on_gpu_equals_reference(fused):
+    host = Session(self_test_every=2, fused=fused)
+    dev = Session(0, self_test_every=2, fused=fused)
+    assert key(host.script(3, _wrong_rtt)) == key(dev.script(3, _wrong_rtt))
+    assert ring_rows(host.canary) == ring_rows(dev.canary)  # the self-test rows included, byte for byte
+    tests = [r for r in ring_rows(dev.canary) if r[7] & kc.FailReason.SELF_TEST]
+    assert [r[6] for r in tests] == [2, 4, 6]  # expected aux: the runs 2, 4, 6 of the 7-step script's HEAD K verify
+    assert host.canary.stats()["self_tests"] == dev.canary.stats()["self_tests"] == 3
+    dev.canary.health_check()
+
+
 @pytest.mark.parametrize("fused", [True, False])
 def test_step_api_does_not_synchronise(monkeypatch, fused):
     from cuda.bindings import driver as d
@@ -86,10 +105,10 @@ def test_step_api_does_not_synchronise(monkeypatch, fused):
 
 def test_session_replayed_from_cuda_graphs_equals_eager():
     torch = pytest.importorskip("torch")
-    eager = Session(0, chain_position_assert=True)
+    eager = Session(0, chain_position_assert=True, self_test_every=2)
     eager_records = eager.script(3, _wrong_rtt)
 
-    g = Session(0, chain_position_assert=True)
+    g = Session(0, chain_position_assert=True, self_test_every=2)  # the due test reads the device's run counter
     bs, T = 4, 16
     st = {k: torch.zeros(n, dtype=torch.int64, device="cuda") for k, n in
           (("rows", bs), ("prefix", bs), ("extend", bs), ("ids", T), ("pos", T), ("loc", T), ("swa", T))}
@@ -141,6 +160,7 @@ def test_session_replayed_from_cuda_graphs_equals_eager():
     eb, gb = buffers(eager.canary), buffers(g.canary)
     for name in eb:
         np.testing.assert_array_equal(eb[name], gb[name], err_msg=str(name))
+    assert g.canary.stats()["self_tests"] == eager.canary.stats()["self_tests"] == 3  # replays 2, 4, 6 of 7
     g.canary.health_check()
 
 
