@@ -257,18 +257,21 @@ def test_capture_with_snapshots_in_flight():
     canary.before_forward(batch, stream=s)  # packs the launches outside the capture
     canary.after_forward(batch, stream=s)
     canary.flush()
-    with Gate(s):  # keeps the next steps' snapshots in flight
+    with Gate(s):  # the device stays behind: the next steps' snapshots are in flight
         for _ in range(3):
             canary.before_forward(batch, stream=s)
             canary.after_forward(batch, stream=s)
         assert canary.pump.fifo.in_flight == 3
-        snapshots, step = canary.pump.launches, canary.step
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):  # global capture mode: the pump makes no event query
-            cs = torch.cuda.current_stream().cuda_stream
-            canary.before_forward(batch, stream=cs)
-            canary.after_forward(batch, stream=cs)
-        assert canary.pump.launches == snapshots and canary.step == step
+    # open before the capture: torch.cuda.graph synchronises the device first (a closed gate would
+    # hang it); the pump has not taken those snapshots, so for the host they are still in flight
+    snapshots, step = canary.pump.launches, canary.step
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):  # global capture mode: the pump makes no event query
+        cs = torch.cuda.current_stream().cuda_stream
+        assert canary.pump.fifo.in_flight == 3
+        canary.before_forward(batch, stream=cs)
+        canary.after_forward(batch, stream=cs)
+    assert canary.pump.launches == snapshots and canary.step == step
     with torch.cuda.stream(stream):
         for _ in range(4):
             g.replay()
