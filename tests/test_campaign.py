@@ -264,6 +264,9 @@ def test_a_campaign_run_in_parts_merges_into_the_one_shot_campaign(tmp_path):
     summary = json.loads((tmp_path / "m" / "campaign-summary.json").read_text())
     assert "runs" not in summary and summary["kept_runs"] == [] and summary["cells"] == got["cells"]
     assert "result: every exercised injection" in (tmp_path / "m" / "campaign.txt").read_text()
+    # a committed summary of part a (no per-injection records) merges like part a itself
+    again, _ = merge.merge([merge.summary(a, [clean[0]]), b])
+    assert again["cells"] == whole["cells"]
     with pytest.raises(ValidationError, match="cell K3/none is in parts 0 and 1"):
         merge.merge([b, b])
     with pytest.raises(ValidationError, match="must share seed"):

@@ -6,7 +6,9 @@ enough to commit.
 
 The parts must share backend, seed and injections per cell; each class x mode cell must come from
 one part only. Cells are rebuilt from the injections' records (the same summary a one-shot
-campaign computes); clean runs are merged by :func:`campaign.merge_clean_runs` per hash mode.
+campaign computes); a part that is itself a summary (``campaign-summary.json``, e.g. one committed
+by an earlier session) gives its cells as they are. Clean runs are merged by
+:func:`campaign.merge_clean_runs` per hash mode.
 ``DIR/campaign-summary.json`` keeps the cells, the clean runs and only the injections that were
 not detected although exercised, or that failed (replay them by seed); ``DIR/campaign.json``
 keeps every record.
@@ -35,23 +37,25 @@ def merge(parts: list[dict]) -> tuple[dict, list[dict]]:
             if p[k] != parts[0][k]:
                 raise ValidationError(f"kv-canary: campaign parts must share {k}, got {parts[0][k]!r} in part 0 and "
                                       f"{p[k]!r} in part {i}. Fix: run every part with the same --{k} (and backend)")
-    runs, cells, owner = [], {}, {}
+    runs, cells, owner, given = [], {}, {}, {}
     for i, p in enumerate(parts):
-        if "runs" not in p:
-            raise ValidationError(f"kv-canary: campaign part {i} has no injection records (a summary?), expected "
-                                  f"the campaign.json that --out writes. Fix: merge the full campaign.json files")
+        if "runs" not in p:  # a committed summary: its cells as they are, its kept records
+            given.update(p["cells"])
         for name, cell in p["cells"].items():
             if name in owner:
                 raise ValidationError(f"kv-canary: campaign cell {name} is in parts {owner[name]} and {i}, expected "
                                       f"each cell in one part. Fix: give each part its own --classes")
             owner[name] = i
-        runs += p["runs"]
+        runs += p.get("runs", p.get("kept_runs", []))
     classes = [c for c in CLASSES if any(c in p["classes"] for p in parts)]
     modes = [m for m in MODES if any(m in p["modes"] for p in parts)]
     for c in classes:
         for m in modes:
             name = f"{c}/{m}"
             if name not in owner:
+                continue
+            if name in given:
+                cells[name] = given[name]
                 continue
             covered, why = coverage(c, m)
             cell = dict(covered=covered, note=why)
@@ -77,6 +81,7 @@ def merge(parts: list[dict]) -> tuple[dict, list[dict]]:
 def summary(result: dict, clean: list[dict]) -> dict:
     """``result`` without the records of injections that were detected or never exercised."""
     keep = [r for r in result["runs"] if r["outcome"] == "missed" or r["error"] or r["clean_violations"]]
+    keep = list({(r["cls"], r["mode"], r["seed"]): r for r in keep}.values())
     return {**{k: v for k, v in result.items() if k != "runs"}, "clean_runs": clean, "kept_runs": keep,
             "note": "per-injection records of detected and not-exercised injections left out; "
                     "kept_runs: every missed, failed or early-reporting injection (replay by cls, mode, seed)"}
