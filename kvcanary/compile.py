@@ -52,9 +52,11 @@ def configured_archs() -> tuple[int, ...]:
         archs = tuple(sorted({int(a.strip().removeprefix("sm_")) for a in raw.split(",") if a.strip()}))
     except ValueError:
         raise ValidationError(f"kv-canary: KVCANARY_ARCHS must be comma-separated compute "
-                              f"capabilities like '80,90' or 'sm_90', got {raw!r}") from None
+                              f"capabilities like '80,90' or 'sm_90', got {raw!r}. Fix: set it to your "
+                              f"GPUs' archs, e.g. KVCANARY_ARCHS=90 for an H100/H200, or unset it") from None
     if not archs:
-        raise ValidationError("kv-canary: KVCANARY_ARCHS is set but names no arch; expected e.g. '90'")
+        raise ValidationError(f"kv-canary: KVCANARY_ARCHS must name at least one compute capability, got "
+                              f"{raw!r}. Fix: set it to e.g. KVCANARY_ARCHS=90, or unset it for the default archs")
     return archs
 
 

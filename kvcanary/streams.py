@@ -16,6 +16,8 @@ from __future__ import annotations
 import sys
 from typing import Any, Iterable
 
+import numpy as np
+
 from .arrays import ArrayView
 from .driver import PER_THREAD_STREAM
 from .errors import ValidationError, ValidationTypeError
@@ -23,8 +25,16 @@ from .errors import ValidationError, ValidationTypeError
 
 def stream_handle(stream: Any) -> int:
     """The raw CUstream handle of an explicit stream argument."""
-    if isinstance(stream, int):
-        return stream
+    if isinstance(stream, (bool, np.bool_)):  # True would be handle 1: the legacy stream
+        raise ValidationTypeError(f"kv-canary: stream must be an int CUstream handle or a torch/CuPy stream "
+                                  f"object, got the bool {stream!r}. Fix: pass e.g. torch.cuda.current_stream(), "
+                                  f"a CuPy stream, or None (the current stream)")
+    if isinstance(stream, (int, np.integer)):
+        if not 0 <= int(stream) < 1 << 64:
+            raise ValidationError(f"kv-canary: stream handle must be a CUstream value in [0, 2**64), got "
+                                  f"{int(stream)}. Fix: pass the stream object (e.g. torch.cuda.current_stream()) "
+                                  f"or its .cuda_stream")
+        return int(stream)
     if hasattr(stream, "__cuda_stream__"):
         return int(stream.__cuda_stream__()[1])
     for attr in ("cuda_stream", "ptr", "handle"):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import abi
+from .errors import ValidationError, ValidationTypeError
 
 
 def _u64(x: int) -> int:
@@ -93,7 +94,21 @@ class RingReadout:
 
 def decode_ring(ring: np.ndarray, write_index: int, start: int = 0) -> RingReadout:
     """Records of a host copy of the ring from row ``start`` (rows already reported are skipped)."""
-    ring = np.asarray(ring).reshape(-1, abi.RING_COLS)
+    try:
+        ring = np.asarray(ring)
+        ok = ring.dtype == np.int64 and ring.size % abi.RING_COLS == 0
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise ValidationError(f"kv-canary: decode_ring needs the ring as int64 rows of {abi.RING_COLS} columns "
+                              f"(a host copy of ViolationSink.ring), got {type(ring).__name__} "
+                              f"{getattr(ring, 'dtype', '')}{getattr(ring, 'shape', '')}. Fix: pass "
+                              f"np.asarray(ring) of the sink's [capacity, {abi.RING_COLS}] int64 ring")
+    for name, v in (("write_index", write_index), ("start", start)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise ValidationTypeError(f"kv-canary: decode_ring({name}=) must be an int, got "
+                                      f"{type(v).__name__}. Fix: pass the sink's write index as an int")
+    ring = ring.reshape(-1, abi.RING_COLS)
     stop = min(max(int(write_index), 0), ring.shape[0])
     rows = [Violation.from_row(ring[i]) for i in range(min(start, stop), stop)]
     return RingReadout(rows, int(write_index), ring.shape[0])

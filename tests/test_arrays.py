@@ -506,3 +506,17 @@ def test_core_modules_never_import_frameworks():
                   if isinstance(n, ast.ImportFrom) and n.module and not n.level}
         assert names <= {"__future__", "ctypes", "dataclasses", "functools", "math", "operator", "typing",
                          "numpy"}, names
+
+
+@pytest.mark.parametrize("bad,kind,match", [
+    (True, "ValidationTypeError", "got the bool True"),      # would be handle 1: the legacy stream
+    (False, "ValidationTypeError", "got the bool False"),
+    (-1, "ValidationError", r"in \[0, 2\*\*64\), got -1"),
+    (1 << 64, "ValidationError", r"in \[0, 2\*\*64\), got 18446744073709551616"),
+])
+def test_a_stream_that_is_no_handle_is_refused(bad, kind, match):
+    from kvcanary import errors
+    from kvcanary.streams import stream_handle
+    with pytest.raises(getattr(errors, kind), match=match):
+        stream_handle(bad)
+    assert stream_handle(np.uint64(7)) == stream_handle(7) == 7

@@ -107,8 +107,11 @@ def test_compiled_kernels_repr_is_short():
 def test_archs_env(monkeypatch):
     monkeypatch.setenv("KVCANARY_ARCHS", "sm_90, 80")
     assert kc_compile.configured_archs() == (80, 90)
+    monkeypatch.setenv("KVCANARY_ARCHS", ",")
+    with pytest.raises(ValueError, match=r"must name at least one compute capability, got ','\. Fix: set it to e\.g\."):
+        kc_compile.configured_archs()
     monkeypatch.setenv("KVCANARY_ARCHS", "ninety")
-    with pytest.raises(ValueError, match="kv-canary: KVCANARY_ARCHS"):
+    with pytest.raises(ValueError, match=r"kv-canary: KVCANARY_ARCHS.*got 'ninety'\. Fix: set it to your GPUs' archs"):
         kc_compile.configured_archs()
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from kvcanary import abi
+from kvcanary.errors import ValidationError, ValidationTypeError
 from kvcanary.violations import Violation, decode_ring
 
 
@@ -43,3 +45,15 @@ def test_decode_ring_with_overflow_and_start():
     assert [v.slot for v in out.violations] == [1, 2, 3, 4] and out.overflow == 5
     later = decode_ring(ring, write_index=3, start=1)
     assert [v.slot for v in later.violations] == [2, 3] and later.overflow == 0
+
+
+@pytest.mark.parametrize("ring", [None, np.zeros((4, 7), np.int64), np.zeros((4, 8), np.float64), "rows"])
+def test_decode_ring_refuses_what_is_not_a_ring(ring):
+    with pytest.raises(ValidationError, match=r"decode_ring needs the ring as int64 rows of 8 columns.*Fix:"):
+        decode_ring(ring, 0)
+
+
+@pytest.mark.parametrize("wi", [None, 1.5, True, np.array([3])])
+def test_decode_ring_refuses_a_write_index_that_is_not_an_int(wi):
+    with pytest.raises(ValidationTypeError, match=r"decode_ring\(write_index=\) must be an int"):
+        decode_ring(np.zeros((4, 8), np.int64), wi)
