@@ -30,6 +30,7 @@ from .errors import KvCanaryError, ValidationError, ValidationTypeError
 from .plan import MAX_BATCH_LIMIT, Batch, StepPlan
 from .driver import PER_THREAD_STREAM
 from .records import CanaryRecords
+from .selftest import SelfTest
 from .reporting import Reporter, RingLedger
 from .sources import RealKvSource, source_list
 from .state import RING_CAPACITY_LIMIT, CanaryBuffer, VerifyContext, ViolationSink, checked
@@ -160,8 +161,9 @@ class KvCanary:
         self.ring_capacity = ring_capacity
         flag = be.zeros((1,), np.int32)
         # the self-test (docs/format.md §11) rides on the first HEAD verify of the FULL group
-        self._self_test_key = Key("HEAD", "FULL", full.resolved_halves()[0], "verify")
-        self.self_test_every, self._self_tests, self._self_test_faults = self_test_every, 0, []
+        tested = Key("HEAD", "FULL", full.resolved_halves()[0], "verify")
+        self.self_test = SelfTest(self_test_every, self.keys.index(tested), abi.LaunchTag[f"HEAD_{tested.half}_FULL"],
+                                  full.num_slots)
         buffers = {(st, g, h): CanaryBuffer.allocate(grp.num_slots, device=device)
                    for g, grp in self.groups.items() for h in grp.resolved_halves() for st in STAGES}
         self.ctx: dict[Key, VerifyContext] = {}
@@ -176,7 +178,7 @@ class KvCanary:
             self.ctx[key] = VerifyContext(buffers["HEAD" if head else "TAIL", key.group, key.half], sink,
                                           abi.LaunchTag[f"{key.stage}_{key.half}_{key.group}"], sources,
                                           abi.HashMode.NONE if head else mode_hash, chain_position_assert=flag,
-                                          self_test_every=self_test_every if key == self._self_test_key else 0)
+                                          self_test_every=self_test_every if key == tested else 0)
         if chain_position_assert:
             next(iter(self.ctx.values())).set_chain_position_assert(True)
         self.plans: dict[str, StepPlan] = {}
@@ -463,34 +465,11 @@ class KvCanary:
         start, stop, lost = self.ledger.take(snap[abi.STATUS_CLAIM], floor)
         if stop > start or lost:
             rows = self.backend.read_rows(self._ring, start, stop)
-            found = decode_ring(rows, len(rows)).violations
-            if self.self_test_every:
-                found = self._take_self_tests(found)
+            found = self.self_test.take(decode_ring(rows, len(rows)).violations)
             self.reporter.violations(found, step, lost, self.ledger.lost)
         if self.stats_every or self.reporter.wants_stats:
             emit = bool(self.stats_every) and step % self.stats_every == 0
             self.reporter.stats(self._stats(snap, step), emit)
-
-    def _take_self_tests(self, found: list) -> list:
-        """Count the self-test rows (not violations); keep what a broken self-test row looks like."""
-        tag, num_slots = self.ctx[self._self_test_key].tag, self.groups["FULL"].num_slots
-        want = abi.FailReason.SELF_TEST | abi.FailReason.VERIFY_POSITION_MISMATCH
-        out = []
-        for v in found:
-            if not v.reasons & abi.FailReason.SELF_TEST:
-                out.append(v)
-            elif (v.tag, v.slot, v.position, v.stored_token, v.reasons) == (tag, num_slots, abi.SELF_TEST_POSITION,
-                                                                            abi.SELF_TEST_TOKEN, want):
-                self._self_tests += 1
-            elif len(self._self_test_faults) < 4:
-                self._self_test_faults.append(str(v))
-        return out
-
-    def _self_tests_due(self, snap) -> int:
-        """Self-test rows the device should have written by this snapshot: one per self_test_every runs."""
-        if not self.self_test_every:
-            return 0
-        return int(self._runs(snap)[self.keys.index(self._self_test_key), 0]) // self.self_test_every
 
     def _runs(self, snap) -> np.ndarray:
         """(kernel runs, slot runs) per context of a snapshot, int64 [contexts, 2]."""
@@ -498,10 +477,9 @@ class KvCanary:
 
     def _stats(self, snap, step) -> dict:
         runs = self._runs(snap)
-        due = self._self_tests_due(snap)
         return {"step": step, "protected_tokens": int(runs[self._tokens_ctx, 1]),
                 "verified_slots": int(runs[self._verifies, 1].sum()),
-                "violations": int(snap[abi.STATUS_CLAIM]) - due, "self_tests": self._self_tests,
+                "violations": int(snap[abi.STATUS_CLAIM]) - self.self_test.due(runs), "self_tests": self.self_test.seen,
                 "violations_recorded": self.ledger.recorded, "ring_overflow": self.ledger.lost,
                 "skipped_verifies": self._skipped, "unattributed": int(snap[abi.STATUS_SKIPS]),
                 "export_errors": self.reporter.export.errors, "steps_behind": self.pump.in_flight,
@@ -538,12 +516,7 @@ class KvCanary:
             if snap[abi.STATUS_SKIPS]:
                 bad.append(f"{snap[abi.STATUS_SKIPS]} verify entries skipped because a launch's batch disagreed "
                            f"with the plan built at HEAD (BATCH_INDEX_OUT_OF_RANGE rows say which requests)")
-            due = self._self_tests_due(snap)
-            if self._self_tests < due or self._self_test_faults:
-                lost = f" (the ring overflowed: {self.ledger.lost} rows lost; raise ring_capacity)" if self.ledger.lost else ""
-                wrong = f"; rows that did not match the known-bad record: {self._self_test_faults}" \
-                    if self._self_test_faults else ""
-                bad.append(f"self-test: {self._self_tests} of {due} expected self-test rows arrived{lost}{wrong}")
+            bad += self.self_test.problems(runs, self.ledger.lost)
             if bad:
                 raise KvCanaryError("kv-canary: health check failed, expected every enqueued canary launch to have "
                                     "run on the batch its plan was built from (and every due self-test row to "
