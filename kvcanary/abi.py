@@ -64,6 +64,7 @@ SWA_UNMAPPED = -2            # a full-pool slot outside the full->SWA map (never
 PREV_ON_PADDING = -3         # plan prev_slot: a required predecessor is the padding slot 0 (reported)
 SEED_INVALID = -(1 << 63)    # WritePlan.seed of a request the plan builder rejected: + BatchField code
 INT32_MASK = 0xFFFFFFFF      # the low int32 of an int64 status cell (little-endian)
+FAIL_BITS_MASK = 0x7FFFFFFF  # FAIL_REASON_BITS holds reason bits in a non-negative int32
 MAX_REQUEST_TOKENS = (1 << 31) - 1  # new tokens a request owns at most (sums over a batch never wrap)
 # The self-test record (docs/format.md §11): a verify that expects SELF_TEST_POSITION and
 # SELF_TEST_TOKEN at a canary-only slot whose record holds SELF_TEST_POSITION + 1 (known bad).
@@ -444,7 +445,7 @@ def constants() -> dict[str, int]:
         "KVC_SOURCE_BATCH": SOURCE_BATCH, "KVC_MANY_VERIFY_MIN_BLOCKS": MANY_VERIFY_MIN_BLOCKS,
         "KVC_WIDE_HASH_BYTES": WIDE_HASH_BYTES, "KVC_STRIP_PIECE_BYTES": STRIP_PIECE_BYTES,
         "KVC_SWA_UNMAPPED": SWA_UNMAPPED, "KVC_PREV_ON_PADDING": PREV_ON_PADDING,
-        "KVC_SEED_INVALID": SEED_INVALID, "KVC_INT32_MASK": INT32_MASK,
+        "KVC_SEED_INVALID": SEED_INVALID, "KVC_INT32_MASK": INT32_MASK, "KVC_FAIL_BITS_MASK": FAIL_BITS_MASK,
         "KVC_MAX_REQUEST_TOKENS": MAX_REQUEST_TOKENS, "KVC_MAX_RECORD_BUFFERS": MAX_RECORD_BUFFERS,
         "KVC_FIELDS_PER_SLOT": FIELDS_PER_SLOT,
         "KVC_SELF_TEST_TOKEN": SELF_TEST_TOKEN, "KVC_SELF_TEST_POSITION": SELF_TEST_POSITION,

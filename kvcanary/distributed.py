@@ -91,7 +91,7 @@ class RankViolation:
     def from_row(cls, row, source_rank: int) -> "RankViolation":
         r = [int(x) for x in row]
         v = Violation(r[0], r[2], r[3], r[4], r[5], r[6] & _MASK64, r[7] & _MASK64,
-                      abi.FailReason(r[1] & 0x7FFFFFFF))
+                      abi.FailReason(r[1] & abi.FAIL_BITS_MASK))
         return cls(source_rank, r[8], r[9], v)
 
     def __str__(self) -> str:

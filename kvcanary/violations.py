@@ -52,7 +52,7 @@ class Violation:
         r = [int(x) for x in row]
         return cls(r[abi.COL_KERNEL_KIND], r[abi.COL_SLOT_IDX], r[abi.COL_POSITION],
                    r[abi.COL_STORED_TOKEN], r[abi.COL_EXPECTED_TOKEN], _u64(r[abi.COL_STORED_CHAIN_HASH]),
-                   _u64(r[abi.COL_EXPECTED_AUX]), abi.FailReason(r[abi.COL_FAIL_REASON_BITS] & 0x7FFFFFFF))
+                   _u64(r[abi.COL_EXPECTED_AUX]), abi.FailReason(r[abi.COL_FAIL_REASON_BITS] & abi.FAIL_BITS_MASK))
 
     @property
     def tag_name(self) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..abi import PARTIAL_HASH_BYTES
 from .cache import lcp
 from .faults import Fault, chain, running
 
@@ -15,7 +16,7 @@ def changed_in_window(eng, pool, slots, tokens, positions, mode: str) -> np.ndar
     """Bool per slot: some tensor differs from what the model wrote, inside the hashed window."""
     bad = np.zeros(len(slots), bool)
     for name, (nbytes, _, _) in pool.specs.items():
-        eff = min(16, nbytes) if mode == "partial" else nbytes
+        eff = min(PARTIAL_HASH_BYTES, nbytes) if mode == "partial" else nbytes
         got = pool.read(name, slots)[:, :eff]
         bad |= (got != pool.expected(name, tokens, positions)[:, :eff]).any(axis=1)
     return bad
@@ -223,7 +224,7 @@ class K12(Fault):
         s = int(slots[0])
         name = str(self.pick(list(pool.specs)))
         nbytes = pool.specs[name][0]
-        win = min(16, nbytes) if self.mode == "partial" else nbytes
+        win = min(PARTIAL_HASH_BYTES, nbytes) if self.mode == "partial" else nbytes
         row = pool.slots(name)[s]
         before = row.copy()
         kind = str(self.pick(["1 bit", "2-3 bits"] + (["32-byte burst"] if nbytes >= 32 else [])))

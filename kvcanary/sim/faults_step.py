@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..abi import PARTIAL_HASH_BYTES
 from .faults import Fault, chain, running
 
 
@@ -84,7 +85,7 @@ class K9(Fault):
         if self.target is None or self.injected is not None:
             return
         s, variant = self.target
-        eff = (lambda n: min(16, n)) if self.mode == "partial" else (lambda n: n)
+        eff = (lambda n: min(PARTIAL_HASH_BYTES, n)) if self.mode == "partial" else (lambda n: n)
         if any((eng.full.read(k, [s])[:, :eff(n)] != self.before[k][:, :eff(n)]).any()
                for k, (n, _, _) in eng.full.specs.items()):
             self.fire(eng, {"FULL": [s]}, variant=variant, slot=s)
