@@ -23,6 +23,9 @@ from .driver import PER_THREAD_STREAM
 from .memory import DeviceArray
 
 KEPT = 8  # layouts kept per cache (least recently used dropped first)
+# Argument types whose layout and address never change while the object lives (kvcanary's own
+# arrays, numbers, None): the same object proves the same key.
+IMMUTABLE = frozenset({DeviceArray, arrays.ArrayView, type(None), int, float, bool})
 
 
 _NONE = layout_key(None)
@@ -33,21 +36,28 @@ def arg_keys(objs) -> tuple[tuple | None, tuple]:
     be keyed (then nothing is cached). Which arguments share an address is part of the key: the
     patch map tells arguments apart by address. Plain torch tensors take an inlined copy of
     :func:`~kvcanary.arrays.layout_key`'s branch (the hot path of every step)."""
-    tensor = arrays.TORCH_TENSOR[0]
+    tensor, none = arrays.TORCH_TENSOR[0], _NONE[0]
     layouts, ptrs = [], []
+    lay_add, ptr_add = layouts.append, ptrs.append
     for obj in objs:
-        if type(obj) is tensor:
+        if obj is None:
+            lay_add(none)
+            ptr_add(None)
+        elif type(obj) is tensor:
             try:
-                layouts.append((obj.shape, obj.stride(), obj.dtype, obj.device, obj.is_neg()))
+                lay_add((obj.shape, obj.stride(), obj.dtype, obj.device, obj.is_neg()))
             except Exception:  # noqa: BLE001 - as layout_key: not keyed
                 return None, ()
-            ptrs.append(obj.data_ptr())
-            continue
-        lay, ptr = _NONE if obj is None else layout_key(obj)
-        if lay is None:
-            return None, ()
-        layouts.append(lay)
-        ptrs.append(ptr)
+            ptr_add(obj.data_ptr())
+        elif type(obj) is DeviceArray:  # layout_key's branch, inlined
+            lay_add((obj.shape, None, obj.dtype.str, False, None, obj.device))
+            ptr_add(obj.ptr)
+        else:
+            lay, ptr = layout_key(obj)
+            if lay is None:
+                return None, ()
+            lay_add(lay)
+            ptr_add(ptr)
     given = [p for p in ptrs if p]
     if len(set(given)) == len(given):
         return (tuple(layouts), None), tuple(ptrs)  # no two arguments alias
@@ -108,6 +118,7 @@ class PackCache:
 
     def put(self, key, launches, objs, ptrs, names, extra=None) -> Packed:
         """Keep ``launches``, packed (and so validated) from the arguments ``objs`` at ``ptrs``."""
+        names = (*names, *(f"argument {i}" for i in range(len(names), len(objs))))  # a Batch subclass's extras
         bounds = tuple((0, 0) if p is None else address_bounds(as_view(o, name=n)) for o, p, n in zip(objs, ptrs, names))
         entry = self.entries[key] = Packed(launches, ptrs, bounds, names, extra)
         while len(self.entries) > self.kept:

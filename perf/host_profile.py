@@ -108,8 +108,10 @@ def rows(torch, only):
                 continue
             w = Work(torch, bs, prefix, extend)
             canary = w.canary()
-            if how == "reused Batch":
-                make = lambda b=w.batch: b  # noqa: E731
+            if how == "reused Batch":  # kvcanary DeviceArrays, as perf/workloads.py's batches
+                from kvcanary import memory
+                reused = kc.Batch(**{k: memory.to_device(t.numpy()) for k, t in w.fields.items()})
+                make = lambda b=reused: b  # noqa: E731
             elif how == "fresh Batch":
                 make = itertools.cycle(w.fresh()).__next__
             else:

@@ -187,17 +187,19 @@ _COLUMNS: OrderedDict = OrderedDict()
 
 def _columns(torch, device, length: int, block_size: int):
     """(pos // block_size, pos % block_size, pos) int64 for pos in [0, length) on ``device``, kept
-    for the 8 most recent (device, length, block size). Never under graph capture: a graph must own
+    for the 4 most recent (device, current stream, length, block size): used in the stream order
+    of the kernels that filled them, and freed into it. Never under graph capture: a graph must own
     what it reads (a kept tensor may be dropped while the graph lives), so a capture makes its own."""
-    key = (device, length, block_size)
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    cuda = device.type == "cuda"
+    key = (device, torch._C._cuda_getCurrentRawStream(device.index) if cuda else None, length, block_size)
+    capturing = cuda and torch.cuda.is_current_stream_capturing()
     cols = None if capturing else _COLUMNS.get(key)
     if cols is None:
         pos = torch.arange(0, length, dtype=torch.int64, device=device)
         cols = (pos // block_size, pos % block_size, pos)
         if not capturing:
             _COLUMNS[key] = cols
-            while len(_COLUMNS) > 8:
+            while len(_COLUMNS) > 4:
                 _COLUMNS.popitem(last=False)
     return cols
 
