@@ -29,6 +29,7 @@ IMMUTABLE = frozenset({DeviceArray, arrays.ArrayView, type(None), int, float, bo
 
 
 _NONE = layout_key(None)
+_ADDRESS_END = 1 << 63
 
 
 def arg_keys(objs) -> tuple[tuple | None, tuple]:
@@ -89,10 +90,12 @@ class Packed:
     def retarget(self, ptrs) -> None:
         """Point the launches at the arguments' new addresses (each checked first: a refused one
         leaves the launches as they were)."""
-        old = self.ptrs
+        old, bounds = self.ptrs, self.bounds
         for i, p in enumerate(ptrs):
             if p != old[i]:
-                check_address(self.names[i], p, self.bounds[i])
+                low, high = bounds[i]
+                if high and (p <= 0 or p + low < 0 or p + high > _ADDRESS_END):  # as check_address tests it
+                    check_address(self.names[i], p, bounds[i])
         for params, name, i in self.patches:
             setattr(params, name, ptrs[i])
         self.ptrs = ptrs
