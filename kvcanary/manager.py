@@ -24,7 +24,7 @@ import numpy as np
 
 from . import abi, backends, ops
 from .errors import KvCanaryError, ValidationError, ValidationTypeError
-from .packing import IMMUTABLE, PackCache, arg_keys
+from .packing import PackCache, arg_keys
 from .plan import MAX_BATCH_LIMIT, Batch, StepPlan
 from .driver import PER_THREAD_STREAM
 from .records import CanaryRecords
@@ -168,7 +168,7 @@ class KvCanary:
         self._last = None  # (newest snapshot processed, its meta)
         self._packed = {st: PackCache(LAYOUTS_KEPT) for st in STAGES}  # layout key -> launches, per stage
         self._held = {st: None for st in STAGES}  # the last step's batch fields, per stage
-        self._hot = {st: None for st in STAGES}  # (those fields, their entry) when all are IMMUTABLE
+        self._hot = {st: None for st in STAGES}  # (those fields, their entry) when all are packing.IMMUTABLE
         self._stage_launches = 0
         self._skipped = 0
         first = {g: next(i for i, k in enumerate(self.keys) if k.group == g) for g in self.groups}
@@ -228,7 +228,7 @@ class KvCanary:
         hot = self._hot[stage]
         if hot is not None and len(fields) == len(hot[0]) and all(map(is_, fields, hot[0])):
             return hot[1].launches  # the very immutable arrays of the stage's last step
-        key, ptrs = arg_keys(fields)
+        key, ptrs, fixed = arg_keys(fields)
         self._hot[stage] = None
         self._held[stage] = fields  # the last step's arrays stay alive until the next step of the stage
         if key is None:  # an array that cannot be keyed cheaply: validated and packed every step
@@ -238,7 +238,7 @@ class KvCanary:
         if entry is None:
             launches = self._pack(batch, stage, stream)
             entry = cache.put(key, launches, fields, ptrs, _FIELD_NAMES)
-        if all(type(f) in IMMUTABLE for f in fields):  # identity proves their layout and address
+        if fixed:  # every field IMMUTABLE: identity proves their layout and address
             self._hot[stage] = (fields, entry)
         return entry.launches
 

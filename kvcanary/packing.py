@@ -32,13 +32,13 @@ _NONE = layout_key(None)
 _ADDRESS_END = 1 << 63
 
 
-def arg_keys(objs) -> tuple[tuple | None, tuple]:
-    """(layout key of the arguments, their addresses); the key is None when an argument cannot
-    be keyed (then nothing is cached). Which arguments share an address is part of the key: the
-    patch map tells arguments apart by address. Plain torch tensors take an inlined copy of
-    :func:`~kvcanary.arrays.layout_key`'s branch (the hot path of every step)."""
+def arg_keys(objs) -> tuple[tuple | None, tuple, bool]:
+    """(layout key of the arguments, their addresses, whether all are :data:`IMMUTABLE`); the key
+    is None when an argument cannot be keyed (then nothing is cached). Which arguments share an
+    address is part of the key: the patch map tells arguments apart by address. Plain torch
+    tensors take an inlined copy of :func:`~kvcanary.arrays.layout_key`'s branch (every step)."""
     tensor, none = arrays.TORCH_TENSOR[0], _NONE[0]
-    layouts, ptrs = [], []
+    layouts, ptrs, fixed = [], [], True
     lay_add, ptr_add = layouts.append, ptrs.append
     for obj in objs:
         if obj is None:
@@ -48,22 +48,25 @@ def arg_keys(objs) -> tuple[tuple | None, tuple]:
             try:
                 lay_add((obj.shape, obj.stride(), obj.dtype, obj.device, obj.is_neg()))
             except Exception:  # noqa: BLE001 - as layout_key: not keyed
-                return None, ()
+                return None, (), False
             ptr_add(obj.data_ptr())
+            fixed = False
         elif type(obj) is DeviceArray:  # layout_key's branch, inlined
             lay_add((obj.shape, None, obj.dtype.str, False, None, obj.device))
             ptr_add(obj.ptr)
         else:
             lay, ptr = layout_key(obj)
             if lay is None:
-                return None, ()
+                return None, (), False
             lay_add(lay)
             ptr_add(ptr)
+            fixed = fixed and type(obj) in IMMUTABLE
     given = [p for p in ptrs if p]
     if len(set(given)) == len(given):
-        return (tuple(layouts), None), tuple(ptrs)  # no two arguments alias
+        return (tuple(layouts), None), tuple(ptrs), fixed  # no two arguments alias
     first: dict = {}
-    return (tuple(layouts), tuple(first.setdefault(p, i) if p else -1 for i, p in enumerate(ptrs))), tuple(ptrs)
+    alias = tuple(first.setdefault(p, i) if p else -1 for i, p in enumerate(ptrs))
+    return (tuple(layouts), alias), tuple(ptrs), fixed
 
 
 def patch_map(launches, ptrs) -> list:
@@ -170,7 +173,7 @@ def run(owner, head, args, names, stream, device: int, owners, stream_objs, pack
     cache = owner.__dict__.get("_kvc_packed")
     if cache is None:
         cache = owner.__dict__.setdefault("_kvc_packed", PackCache())
-    key, ptrs = arg_keys(args)
+    key, ptrs, _ = arg_keys(args)
     if key is None or head is None:
         for launch in pack():
             launch()

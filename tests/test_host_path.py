@@ -225,3 +225,25 @@ def test_sglang_decode_lengths_are_one_new_token_after_seq_minus_one():
     assert b.prefix_lens.tolist() == [4, 8] and b.extend_lens.tolist() == [1, 1]
     assert b.extend_lens.dtype == b.prefix_lens.dtype == b.input_ids.dtype == torch.int64
     assert ctypes.sizeof(ctypes.c_int64) == b.extend_lens.element_size()
+
+
+def test_only_kvcanary_arrays_replay_by_identity(fake, monkeypatch):
+    """The same DeviceArray objects as the stage's last step skip the key (their address and layout
+    are fixed for life); the same torch tensors are keyed again every stage."""
+    from kvcanary import manager, packing
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(arrays, "_torch_ordinal", lambda obj: 0)
+    calls = []
+    monkeypatch.setattr(manager, "arg_keys", lambda fields: calls.append(1) or packing.arg_keys(fields))
+    canary, s = make_canary(), fake.cuStreamCreate(0)[1]
+    batch = manager_batch()
+    step(canary, batch, s)
+    del calls[:]
+    step(canary, batch, s)
+    assert calls == []
+    T = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+    tb = kc.Batch(T([1]), T([3]), T([1]), torch.zeros((2, 8), dtype=torch.int32), T([7]), T([3]), T([9]))
+    step(canary, tb, s)
+    del calls[:]
+    step(canary, tb, s)
+    assert len(calls) == 2
