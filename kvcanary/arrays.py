@@ -365,8 +365,8 @@ def layout_key(obj):
     ``(None, None)`` for an object that cannot be keyed without a full conversion (a DLPack
     producer, a numpy array, a torch subclass ...): never cached, always validated."""
     kind = type(obj)
-    if obj is None or kind in _SCALARS:
-        return (kind, obj), None
+    if obj is None or kind in _SCALARS or isinstance(obj, (np.integer, np.floating, np.bool_)):
+        return (kind, obj), None  # the type too: True == 1 == 1.0, and only an int passes integer()
     if kind.__name__ == "Tensor" and kind.__module__ == "torch":
         TORCH_TENSOR[0] = kind  # for the inlined copy of this branch in packing.arg_keys
         try:  # a strided tensor; its lazy neg bit, which as_view refuses (the conj bit needs a complex dtype)

@@ -247,3 +247,20 @@ def test_only_kvcanary_arrays_replay_by_identity(fake, monkeypatch):
     del calls[:]
     step(canary, tb, s)
     assert len(calls) == 2
+
+
+def test_a_scalar_field_keys_on_its_type_and_value(fake):
+    """expected_token_offset 1, then True (equal to 1, refused as a bool), then numpy's 1 (an
+    integer: accepted, and packed once for its own key)."""
+    canary, s = make_canary(), fake.cuStreamCreate(0)[1]
+    batch = manager_batch()
+    batch.expected_token_offset = 1
+    step(canary, batch, s)
+    for bad in (True, 1.0):
+        batch.expected_token_offset = bad
+        with pytest.raises(kc.ValidationTypeError, match="expected_token_offset"):
+            step(canary, batch, s)
+    batch.expected_token_offset = np.int64(1)
+    step(canary, batch, s)
+    step(canary, batch, s)
+    assert len(canary._packed["HEAD"]) == 2
