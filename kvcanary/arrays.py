@@ -200,6 +200,14 @@ def _is_torch_like(obj) -> bool:
         and isinstance(getattr(obj.device, "type", None), str)
 
 
+def _torch_ordinal(obj) -> int | None:
+    """The CUDA ordinal of a torch tensor (-1 when torch does not say), None for a CPU one."""
+    if obj.device.type != "cuda":
+        return None
+    index = obj.device.index
+    return -1 if index is None else int(index)
+
+
 def _from_torch(obj, name) -> ArrayView:
     kind = obj.device.type
     layout = getattr(obj, "layout", None)
@@ -217,10 +225,9 @@ def _from_torch(obj, name) -> ArrayView:
     shape = tuple(int(n) for n in obj.shape)
     strides = tuple(int(s) * esize for s in obj.stride())
     ptr = int(obj.data_ptr())
-    if kind == "cuda":
-        index = obj.device.index
-        return _finish(name, ptr, shape, strides, dtype, dtype_name,
-                       -1 if index is None else int(index), False, obj)
+    ordinal = _torch_ordinal(obj)
+    if ordinal is not None:
+        return _finish(name, ptr, shape, strides, dtype, dtype_name, ordinal, False, obj)
     host = None
     if dtype.name == dtype_name and hasattr(obj, "__dlpack__"):
         try:
@@ -346,22 +353,73 @@ def as_view(obj, *, name: str, stream: int | None = None) -> ArrayView:
           "pass one of those, e.g. a torch.Tensor on the KV cache's device")
 
 
+_SCALARS = (int, float, bool)
+TORCH_TENSOR = [None]  # torch.Tensor once layout_key has seen one (torch is never imported here)
+
+
 def layout_key(obj):
-    """(layout, address) of one Batch field, cheaply: what a packed launch's validation depends on
-    (shape, strides and dtype of an array; the value of a scalar) and where its data is. Arrays of
-    one layout can replay each other's launches once the address is patched in; anything kvcanary
-    does not recognise keys on its identity (never a false hit)."""
-    if obj is None or isinstance(obj, (int, float)):
-        return obj, None
+    """(layout, address) of one array argument, cheaply: everything a packed launch's validation
+    and params depend on (shape, byte strides or their source, dtype, device, the producer's stream
+    and flags; a scalar's type and value) and where its data is. Arrays of one layout may replay
+    each other's launches once the address is patched in (and checked: :func:`check_address`).
+    ``(None, None)`` for an object that cannot be keyed without a full conversion (a DLPack
+    producer, a numpy array, a torch subclass ...): never cached, always validated."""
     kind = type(obj)
-    if kind.__module__ == "torch" and hasattr(obj, "data_ptr"):
-        return (obj.shape, obj.stride(), obj.dtype), obj.data_ptr()
+    if obj is None or kind in _SCALARS or isinstance(obj, (np.integer, np.floating, np.bool_)):
+        return (kind, obj), None  # the type too: True == 1 == 1.0, and only an int passes integer()
+    if kind.__name__ == "Tensor" and kind.__module__ == "torch":
+        TORCH_TENSOR[0] = kind  # for the inlined copy of this branch in packing.arg_keys
+        try:  # a strided tensor; its lazy neg bit, which as_view refuses (the conj bit needs a complex dtype)
+            return (obj.shape, obj.stride(), obj.dtype, obj.device, obj.is_neg()), obj.data_ptr()
+        except Exception:  # noqa: BLE001 - a sparse or otherwise unusual tensor: as_view says what is wrong
+            return None, None
     if kind.__name__ == "DeviceArray" and kind.__module__ == "kvcanary.memory":  # its CAI's key, faster
-        return (obj.shape, None, obj.dtype.str), obj.ptr
-    cai = getattr(obj, "__cuda_array_interface__", None)
-    if cai is not None:
-        return (tuple(cai["shape"]), cai.get("strides"), cai["typestr"]), cai["data"][0]
-    return (type(obj), id(obj)), None
+        return (obj.shape, None, obj.dtype.str, False, None, obj.device), obj.ptr
+    if kind is ArrayView:
+        if obj.device == -1 or obj.host is not None:
+            return None, None
+        return (ArrayView, obj.shape, obj.strides, obj.dtype, obj.dtype_name, obj.readonly, obj.stream,
+                obj.device), obj.ptr
+    try:
+        cai = obj.__cuda_array_interface__
+    except Exception:  # noqa: BLE001 - no CAI (or a refusing one): not keyed
+        return None, None
+    try:
+        (ptr, readonly), typestr = cai["data"], cai["typestr"]
+        shape, strides = tuple(cai["shape"]), cai.get("strides")
+        version, mask = cai.get("version", 0), cai.get("mask")
+        if mask is not None or not isinstance(typestr, str) or typestr[1:2] == "V" or not isinstance(ptr, int):
+            return None, None  # masked, opaque (the producer's dtype decides) or malformed: as_view says
+        stream = cai.get("stream") if isinstance(version, int) and version >= 3 else None
+        device = _cuda_ordinal(obj)
+        if device == -1 and ptr:  # the driver places the pointer (as resolved() does for the launch)
+            from .driver import pointer_device
+            device = pointer_device(ptr)
+        return (shape, None if strides is None else tuple(strides), typestr, bool(readonly), stream,
+                device), ptr
+    except Exception:  # noqa: BLE001 - a malformed interface: not keyed, as_view reports it
+        return None, None
+
+
+def address_bounds(view: ArrayView) -> tuple[int, int]:
+    """(lowest, one past the highest) byte offset from ``view.ptr`` an element occupies ((0, 0) if
+    empty): what :func:`check_address` needs to re-check a new address of the same layout."""
+    if view.numel == 0:
+        return 0, 0
+    ext = [(n - 1) * s for n, s in zip(view.shape, view.strides)]
+    return sum(e for e in ext if e < 0), sum(e for e in ext if e > 0) + view.itemsize
+
+
+def check_address(name: str, ptr: int, bounds: tuple[int, int]) -> None:
+    """The address checks of :func:`as_view` for a new address of an already validated layout."""
+    low, high = bounds
+    if high == 0:
+        return
+    if not 0 < ptr < 1 << 64:
+        _fail(ValidationError, name, "a non-NULL data pointer in [0, 2**64)", hex(ptr), "pass an allocated array")
+    if ptr + low < 0 or ptr + high > 1 << 63:
+        _fail(ValidationError, name, "an array inside the address space", f"bytes [{ptr + low:#x}, {ptr + high:#x})",
+              "check the shape, the strides and the pointer")
 
 
 _SHAPE_FIX = "reshape to [num_slots, bytes_per_slot], e.g. t.view(t.shape[0], -1)"

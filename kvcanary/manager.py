@@ -14,10 +14,8 @@ step, whose two stages share one plan.
 
 from __future__ import annotations
 
-import ctypes
 import threading
 import warnings
-from collections import OrderedDict
 from dataclasses import dataclass
 from operator import is_
 from typing import Any, NamedTuple, Sequence
@@ -25,8 +23,8 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 
 from . import abi, backends, ops
-from .arrays import layout_key
 from .errors import KvCanaryError, ValidationError, ValidationTypeError
+from .packing import PackCache, arg_keys
 from .plan import MAX_BATCH_LIMIT, Batch, StepPlan
 from .driver import PER_THREAD_STREAM
 from .records import CanaryRecords
@@ -39,6 +37,7 @@ from .violations import decode_ring
 
 STAGES = ("HEAD", "TAIL")
 LAYOUTS_KEPT = 8  # packed launch sets kept per stage, one per distinct batch layout
+_FIELD_NAMES = tuple(f"batch.{name}" for name in Batch.__dataclass_fields__)
 
 
 @dataclass
@@ -91,27 +90,6 @@ class Key(NamedTuple):
     group: str
     half: str
     op: str
-
-
-@dataclass
-class _Packed:
-    """A stage's launches for one batch layout: which params fields hold which batch field's
-    address, and the addresses they hold now."""
-
-    launches: list
-    patches: list  # (params struct, field name, batch field index)
-    ptrs: tuple
-
-
-def _patch_map(launches, ptrs) -> list:
-    """The pointer fields of the launches' params that hold a batch field's address."""
-    where = {p: i for i, p in enumerate(ptrs) if p}
-    out = []
-    for launch in launches:
-        for name, ctype in type(launch.params)._fields_:
-            if ctype is ctypes.c_uint64 and getattr(launch.params, name) in where:
-                out.append((launch.params, name, where[getattr(launch.params, name)]))
-    return out
 
 
 class KvCanary:
@@ -196,9 +174,9 @@ class KvCanary:
         self._stage_runs = [0, 0]
         self._masks = [np.array([k.stage == st for k in self.keys], np.int64) for st in STAGES]
         self._last = None  # (newest snapshot processed, its meta)
-        self._packed = {st: OrderedDict() for st in STAGES}  # layout key -> launches, per stage
-        self._hot = {st: None for st in STAGES}  # (the last step's field objects, their entry)
-        self._keyed = None  # (field objects, layout key, addresses) last computed, for the other stage
+        self._packed = {st: PackCache(LAYOUTS_KEPT) for st in STAGES}  # layout key -> launches, per stage
+        self._held = {st: None for st in STAGES}  # the last step's batch fields, per stage
+        self._hot = {st: None for st in STAGES}  # (those fields, their entry) when all are packing.IMMUTABLE
         self._stage_launches = 0
         self._skipped = 0
         first = {g: next(i for i, k in enumerate(self.keys) if k.group == g) for g in self.groups}
@@ -249,33 +227,27 @@ class KvCanary:
 
     def _launches(self, batch: Batch, stage: str, stream) -> list:
         """The stage's packed launches for this batch: validated and packed once per array layout
-        (shapes, strides, dtypes, scalars, which fields alias), then replayed with the current
-        arrays' addresses patched into their params (an engine hands over new tensors every step)."""
+        (shapes, strides, dtypes, devices, scalars, which fields alias: :mod:`.packing`), then
+        replayed with the current arrays' addresses patched into their params (an engine hands
+        over new tensors every step). Keyed per call: a tensor may change in place (``set_``,
+        ``resize_``); only a step of the very objects of the last one, all of them arrays kvcanary
+        made (DeviceArray, ArrayView: fixed for life) or numbers, replays without a key."""
         fields = tuple(batch.__dict__.values())
         hot = self._hot[stage]
-        if hot is not None and all(map(is_, fields, hot[0])):  # the very arrays of the last step
-            return hot[1].launches
-        keyed = self._keyed
-        if keyed is not None and all(map(is_, fields, keyed[0])):  # TAIL of the batch HEAD just keyed
-            key, ptrs = keyed[1], keyed[2]
-        else:
-            keys = [layout_key(v) for v in fields]
-            ptrs = tuple(p for _, p in keys)
-            first = {}
-            key = (tuple(k for k, _ in keys), tuple(first.setdefault(p, i) if p else -1 for i, p in enumerate(ptrs)))
-            self._keyed = (fields, key, ptrs)
+        if hot is not None and len(fields) == len(hot[0]) and all(map(is_, fields, hot[0])):
+            return hot[1].launches  # the very immutable arrays of the stage's last step
+        key, ptrs, fixed = arg_keys(fields)
+        self._hot[stage] = None
+        self._held[stage] = fields  # the last step's arrays stay alive until the next step of the stage
+        if key is None:  # an array that cannot be keyed cheaply: validated and packed every step
+            return self._pack(batch, stage, stream)
         cache = self._packed[stage]
-        entry = cache.get(key)
+        entry = cache.get(key, ptrs)
         if entry is None:
             launches = self._pack(batch, stage, stream)
-            entry = cache[key] = _Packed(launches, _patch_map(launches, ptrs), ptrs)
-            if len(cache) > LAYOUTS_KEPT:
-                cache.popitem(last=False)
-        elif entry.ptrs != ptrs:
-            for params, name, i in entry.patches:
-                setattr(params, name, ptrs[i])
-            entry.ptrs = ptrs
-        self._hot[stage] = (fields, entry)  # held until the next step of the stage replaces it
+            entry = cache.put(key, launches, fields, ptrs, _FIELD_NAMES)
+        if fixed:  # every field IMMUTABLE: identity proves their layout and address
+            self._hot[stage] = (fields, entry)
         return entry.launches
 
     def _pack(self, batch: Batch, stage: str, stream) -> list:
@@ -312,7 +284,7 @@ class KvCanary:
         layout last packed: both stages' launches plus the pump's snapshot (0 on the host)."""
         if not self.backend.cached_launches or self.mode == "none":
             return 0
-        return sum(len(next(reversed(c.values())).launches) for c in self._packed.values() if c) + 1
+        return sum(len(next(reversed(c.entries.values())).launches) for c in self._packed.values() if c.entries) + 1
 
     @property
     def launch_count(self) -> int:

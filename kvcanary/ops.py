@@ -7,14 +7,16 @@ the kernels check every index they read and report what is out of range. Nothing
 synchronises on the device path. Launches go on ``stream`` or the default of
 :mod:`kvcanary.streams`. A packed :class:`Launch` keeps the canary's own state alive, not the
 batch's arrays: replay it only while the arrays it was packed from (or others at the same
-addresses, shapes and strides) are alive.
+addresses, shapes and strides) are alive. Called eagerly on device arrays, an op keeps its packed
+launches per array layout on its state (:mod:`kvcanary.packing`: validated once per layout, the
+addresses of each call patched in and checked).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from . import abi, reference, reference_plan, streams
+from . import abi, packing, reference, reference_plan, streams
 from .driver import Launch
 from .errors import ValidationError
 from .plan import Batch, StepPlan, check_batch_values
@@ -95,11 +97,47 @@ def _check_plan_device(ctx: VerifyContext, plan: StepPlan) -> None:
                               f"allocate both on one device")
 
 
+_PLAN_ARRAYS = ("offsets", "seed", "num_valid_reqs", "entry_offsets", "num_valid", "enable", "slot",
+                "expected_token", "expected_position", "prev_slot")
+_BATCH_NAMES = tuple(f"batch.{name}" for name in Batch.__dataclass_fields__)
+
+
+def _plan_key(plan: StepPlan):
+    """What a launch reads of ``plan`` (None: not keyable, never cached). The plan itself stays
+    alive with every launch packed from it, so its id is not reused while an entry holds it."""
+    arrays = packing.state_key([getattr(plan, k) for k in _PLAN_ARRAYS])
+    return None if arrays is None else (id(plan), plan.max_batch, plan.verify_capacity, plan.device, arrays)
+
+
+def _scalar(value):
+    return type(value), value
+
+
+def _batch_order(batch: Batch, swa_map) -> tuple:
+    """The batch's arrays in the order of ``Batch.views`` (the stream a launch falls back to is the
+    first producer stream among them)."""
+    b = batch
+    return (b.req_pool_indices, b.prefix_lens, b.extend_lens, b.req_to_token, b.input_ids, b.positions,
+            b.out_cache_loc, b.expected_input_ids, b.expected_positions, b.swa_out_cache_loc, b.expected_pool,
+            b.expected_valid_lens if b.expected_pool is not None else None, swa_map)
+
+
 # ---- verify --------------------------------------------------------------------------------------
 def verify(ctx: VerifyContext, plan: StepPlan, *, check_expected_token: bool = False, stream=None) -> None:
     """Verify the materialised plan's entries against ``ctx`` (docs/format.md §6). Read-only on the buffer."""
-    launch = prepare_verify(ctx, plan, check_expected_token=check_expected_token, stream=stream)
-    if launch is not None:
+    def pack():
+        launch = prepare_verify(ctx, plan, check_expected_token=check_expected_token, stream=stream)
+        return [] if launch is None else [launch]
+    if not (isinstance(ctx, VerifyContext) and isinstance(plan, StepPlan)) or ctx.device is None:
+        return _run(pack())
+    pk = _plan_key(plan)
+    head = None if pk is None else ("verify", pk, ctx.common, _scalar(check_expected_token))
+    packing.run(ctx, head, (), (), stream, ctx.device, (ctx.buffer.array, plan.slot),
+                (plan.slot, plan.expected_token, plan.expected_position, plan.prev_slot), pack)
+
+
+def _run(launches) -> None:
+    for launch in launches:
         launch()
 
 
@@ -136,10 +174,20 @@ def prepare_verify(ctx: VerifyContext, plan: StepPlan, *, check_expected_token: 
 def write(ctx: VerifyContext, plan: StepPlan, input_ids, positions, out_cache_loc, *,
           expected_input_ids=None, expected_positions=None, stream=None) -> None:
     """Stamp new tokens into ``ctx``'s buffer along the write plan (docs/format.md §7)."""
-    launch = prepare_write(ctx, plan, input_ids, positions, out_cache_loc, stream=stream,
-                           expected_input_ids=expected_input_ids, expected_positions=expected_positions)
-    if launch is not None:
-        launch()
+    def pack():
+        launch = prepare_write(ctx, plan, input_ids, positions, out_cache_loc, stream=stream,
+                               expected_input_ids=expected_input_ids, expected_positions=expected_positions)
+        return [] if launch is None else [launch]
+    if not (isinstance(ctx, VerifyContext) and isinstance(plan, StepPlan)) or ctx.device is None:
+        return _run(pack())
+    pk = _plan_key(plan)
+    head = None if pk is None else ("write", pk, ctx.common)
+    args = (input_ids, positions, out_cache_loc, expected_input_ids, expected_positions)
+    packing.run(ctx, head, args, _WRITE_NAMES, stream, ctx.device, (input_ids, ctx.buffer.array),
+                (*args, plan.offsets, plan.seed, plan.num_valid_reqs), pack)
+
+
+_WRITE_NAMES = ("input_ids", "positions", "out_cache_loc", "expected_input_ids", "expected_positions")
 
 
 def prepare_write(ctx: VerifyContext, plan: StepPlan, input_ids, positions, out_cache_loc, *,
@@ -231,8 +279,17 @@ def build_plan(batch: Batch, plan: StepPlan, *, swa_window: int = 0, swa_map=Non
     """Fill ``plan`` from ``batch`` (docs/format.md §8): WritePlan, entry offsets, overflow rule, and the
     per-entry VerifyPlan when the plan is materialised. Batch values the device finds out of range
     are reported through ``ctx``'s sink (tag ``ctx.tag``), else through ``plan.reject_sink``."""
-    for launch in prepare_build_plan(batch, plan, swa_window=swa_window, swa_map=swa_map, ctx=ctx, stream=stream):
-        launch()
+    def pack():
+        return prepare_build_plan(batch, plan, swa_window=swa_window, swa_map=swa_map, ctx=ctx, stream=stream)
+    if not (isinstance(batch, Batch) and isinstance(plan, StepPlan) and (ctx is None or isinstance(ctx, VerifyContext))) \
+            or plan.device is None:
+        return _run(pack())
+    pk = _plan_key(plan)
+    sink = (plan._reject_sink,) if ctx is None else (ctx.sink, int(ctx.tag), ctx.device)
+    head = None if pk is None or sink[0] is None else ("build_plan", pk, sink, _scalar(swa_window))
+    args = (*batch.__dict__.values(), swa_map)
+    packing.run(plan, head, args, (*_BATCH_NAMES, "swa_map"), stream, plan.device, (batch.req_pool_indices,),
+                _batch_order(batch, swa_map), pack)
 
 
 def prepare_build_plan(batch: Batch, plan: StepPlan, *, swa_window: int = 0, swa_map=None,
@@ -282,10 +339,18 @@ def fused_verify(ctx: VerifyContext, batch: Batch, plan: StepPlan, *, swa_window
     """Verify the batch's cached prefixes straight from ``req_to_token`` (after :func:`build_plan`
     filled ``plan``'s entry offsets); same rows and counters as build_plan + verify when the batch
     is the one the plan was built from, and a BATCH row per request where it is not."""
-    launch = prepare_fused_verify(ctx, batch, plan, swa_window=swa_window, swa_map=swa_map,
-                                  check_expected_token=check_expected_token, stream=stream)
-    if launch is not None:
-        launch()
+    def pack():
+        launch = prepare_fused_verify(ctx, batch, plan, swa_window=swa_window, swa_map=swa_map,
+                                      check_expected_token=check_expected_token, stream=stream)
+        return [] if launch is None else [launch]
+    if not (isinstance(ctx, VerifyContext) and isinstance(batch, Batch) and isinstance(plan, StepPlan)) \
+            or ctx.device is None:
+        return _run(pack())
+    pk = _plan_key(plan)
+    head = None if pk is None else ("fused_verify", pk, ctx.common, _scalar(swa_window), _scalar(check_expected_token))
+    args = (*batch.__dict__.values(), swa_map)
+    packing.run(ctx, head, args, (*_BATCH_NAMES, "swa_map"), stream, ctx.device,
+                (batch.req_pool_indices, ctx.buffer.array), _batch_order(batch, swa_map), pack)
 
 
 def prepare_fused_verify(ctx: VerifyContext, batch: Batch, plan: StepPlan, *, swa_window: int = 0,

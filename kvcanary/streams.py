@@ -45,7 +45,8 @@ def stream_handle(stream: Any) -> int:
                               f"torch.cuda.current_stream(), a CuPy stream, or None (the current stream)")
 
 
-def _framework_stream(objs: Iterable[Any], device: int) -> int | None:
+def framework_stream(objs: Iterable[Any], device: int) -> int | None:
+    """The current stream of the framework owning the first of ``objs`` it knows, else None."""
     for obj in objs:
         module = type(obj).__module__.split(".")[0]
         if module == "torch" and "torch" in sys.modules:
@@ -76,7 +77,7 @@ def resolve(stream: Any, objs: Iterable[Any], views: Iterable[ArrayView | None],
     on_device(views, device)
     if stream is not None:
         return stream_handle(stream)
-    found = _framework_stream(objs, device)
+    found = framework_stream(objs, device)
     if found is not None:
         return found
     for v in views:

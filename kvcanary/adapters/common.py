@@ -111,15 +111,41 @@ def layer_list(buffers, what: str) -> list:
 
 
 # ---- framework-neutral array arithmetic ------------------------------------------------------------
+_KINDS: dict = {}  # array type -> "torch" / "cupy" / "numpy", once seen
+
+
 def framework(x) -> str:
     """``"torch"``, ``"cupy"`` or ``"numpy"``: the module family of array ``x``."""
+    kind = _KINDS.get(type(x))
+    if kind is not None:
+        return kind
     root = type(x).__module__.split(".")[0]
     if root in ("torch", "cupy") and root in sys.modules:
-        return root
-    if isinstance(x, np.ndarray):
-        return "numpy"
-    raise ValidationTypeError(f"kv-canary: expected a torch tensor, a CuPy array or a numpy array, got "
-                              f"{type(x).__module__}.{type(x).__qualname__}; fix: pass the engine's tensor")
+        kind = root
+    elif isinstance(x, np.ndarray):
+        kind = "numpy"
+    else:
+        raise ValidationTypeError(f"kv-canary: expected a torch tensor, a CuPy array or a numpy array, got "
+                                  f"{type(x).__module__}.{type(x).__qualname__}; fix: pass the engine's tensor")
+    _KINDS[type(x)] = kind
+    return kind
+
+
+_INT_NAMES = ("int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64")
+
+
+def is_plain_int_tensor(x, ndim: int, dtype: str | None = None) -> bool:
+    """Whether ``x`` is a plain torch tensor that :func:`kvcanary.as_view` accepts as an integer
+    array (``dtype``: that one) of ``ndim`` dimensions: strided, on CUDA or the CPU, no lazy neg bit.
+    False means "not shown here", never "bad": the caller then checks it the long way."""
+    kind = type(x)
+    if kind.__name__ != "Tensor" or kind.__module__ != "torch":
+        return False
+    name = str(x.dtype)[6:]
+    if (name != dtype if dtype is not None else name not in _INT_NAMES) or x.dim() != ndim:
+        return False
+    torch = sys.modules["torch"]
+    return x.layout is torch.strided and x.device.type in ("cuda", "cpu") and not x.is_neg()
 
 
 def module_of(x):
@@ -131,8 +157,21 @@ def astype(x, dtype: str):
     """``x`` as ``dtype`` ("int32" / "int64") on its own device; no copy when it already is."""
     if framework(x) == "torch":
         want = getattr(sys.modules["torch"], dtype)
-        return x if x.dtype == want else x.to(want)
+        return x if x.dtype is want else x.to(want)
     return x if x.dtype == np.dtype(dtype) else x.astype(dtype)
+
+
+def full_like(x, value: int):
+    """An array like ``x`` (shape, dtype, device) filled with ``value``: one fill kernel where
+    ``x * 0 + value`` takes two."""
+    kind = framework(x)
+    if kind == "torch":
+        return sys.modules["torch"].full_like(x, value)
+    if kind == "cupy":
+        cupy = sys.modules["cupy"]
+        with cupy.cuda.Device(x.device.id):
+            return cupy.full_like(x, value)
+    return np.full_like(x, value)
 
 
 def arange(like, start: int, stop: int, dtype: str = "int64"):

@@ -23,7 +23,7 @@ from __future__ import annotations
 from ..errors import ValidationError
 from ..plan import Batch
 from ..validate import integer
-from .common import arange, astype, require_attr, where, zeros
+from .common import arange, astype, full_like, require_attr, where, zeros
 
 _FIX = "pass the ForwardBatch the model runner forwards (SGLang's forward_batch_info.ForwardBatch)"
 _EXTEND_MODES = ("EXTEND", "MIXED", "SPLIT_PREFILL")
@@ -34,7 +34,7 @@ def _lengths(fb, seq):
     mode = require_attr(fb, "forward_mode", "the ForwardBatch", _FIX)
     name = getattr(mode, "name", str(mode))
     if name in ("DECODE", "IDLE"):
-        return seq - 1, seq * 0 + 1
+        return seq - 1, full_like(seq, 1)
     if name == "TARGET_VERIFY":
         spec = require_attr(fb, "spec_info", "a TARGET_VERIFY ForwardBatch", _FIX)
         what = f"the TARGET_VERIFY spec_info ({type(spec).__name__})"
@@ -50,7 +50,7 @@ def _lengths(fb, seq):
         if tokens != bs * drafts:
             raise ValidationError(f"kv-canary: a TARGET_VERIFY batch of {bs} requests x draft_token_num={drafts} "
                                   f"should carry {bs * drafts} tokens, got {tokens} input_ids; fix: {_FIX}")
-        return seq, seq * 0 + drafts
+        return seq, full_like(seq, drafts)
     ext = getattr(fb, "extend_seq_lens", None)
     if name == "DRAFT_EXTEND_V2" or name in _EXTEND_MODES:
         if ext is None:

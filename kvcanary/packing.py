@@ -1,0 +1,197 @@
+"""Packed launches kept per array layout and replayed with the current arrays' addresses.
+
+An engine hands kvcanary new arrays every step (fresh tensors, per-step slices of persistent
+buffers), almost always of the layouts it had before. Validation depends only on the layout
+(shape, strides, dtype, device, the producer's stream and flags, scalar arguments) and on each
+address being a possible one; the params of a packed launch depend on the addresses too. So
+launches are validated and packed once per layout (:func:`~kvcanary.arrays.layout_key`, plus which
+arguments alias) and replayed with the addresses of the call patched into the params fields that
+held the packing call's addresses, each new address checked as :func:`~kvcanary.arrays.as_view`
+would. An object that cannot be keyed cheaply is never cached. Entries hold layouts and the
+launches (which keep the canary's own state alive), never the caller's arrays.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections import OrderedDict
+
+from . import arrays, streams
+from .arrays import address_bounds, as_view, check_address, layout_key
+from .driver import PER_THREAD_STREAM
+from .memory import DeviceArray
+
+KEPT = 8  # layouts kept per cache (least recently used dropped first)
+# Argument types whose layout and address never change while the object lives (kvcanary's own
+# arrays, numbers, None): the same object proves the same key.
+IMMUTABLE = frozenset({DeviceArray, arrays.ArrayView, type(None), int, float, bool})
+
+
+_NONE = layout_key(None)
+_ADDRESS_END = 1 << 63
+
+
+def arg_keys(objs) -> tuple[tuple | None, tuple, bool]:
+    """(layout key of the arguments, their addresses, whether all are :data:`IMMUTABLE`); the key
+    is None when an argument cannot be keyed (then nothing is cached). Which arguments share an
+    address is part of the key: the patch map tells arguments apart by address. Plain torch
+    tensors take an inlined copy of :func:`~kvcanary.arrays.layout_key`'s branch (every step)."""
+    tensor, none = arrays.TORCH_TENSOR[0], _NONE[0]
+    layouts, ptrs, fixed = [], [], True
+    lay_add, ptr_add = layouts.append, ptrs.append
+    for obj in objs:
+        if obj is None:
+            lay_add(none)
+            ptr_add(None)
+        elif type(obj) is tensor:
+            try:
+                lay_add((obj.shape, obj.stride(), obj.dtype, obj.device, obj.is_neg()))
+            except Exception:  # noqa: BLE001 - as layout_key: not keyed
+                return None, (), False
+            ptr_add(obj.data_ptr())
+            fixed = False
+        elif type(obj) is DeviceArray:  # layout_key's branch, inlined
+            lay_add((obj.shape, None, obj.dtype.str, False, None, obj.device))
+            ptr_add(obj.ptr)
+        else:
+            lay, ptr = layout_key(obj)
+            if lay is None:
+                return None, (), False
+            lay_add(lay)
+            ptr_add(ptr)
+            fixed = fixed and type(obj) in IMMUTABLE
+    given = [p for p in ptrs if p]
+    if len(set(given)) == len(given):
+        return (tuple(layouts), None), tuple(ptrs), fixed  # no two arguments alias
+    first: dict = {}
+    alias = tuple(first.setdefault(p, i) if p else -1 for i, p in enumerate(ptrs))
+    return (tuple(layouts), alias), tuple(ptrs), fixed
+
+
+def patch_map(launches, ptrs) -> list:
+    """(params struct, field name, argument index) of every pointer field of the launches' params
+    that holds an argument's address."""
+    where = {p: i for i, p in enumerate(ptrs) if p}
+    out = []
+    for launch in launches:
+        for name, ctype in type(launch.params)._fields_:
+            if ctype is ctypes.c_uint64 and getattr(launch.params, name) in where:
+                out.append((launch.params, name, where[getattr(launch.params, name)]))
+    return out
+
+
+class Packed:
+    """One layout's launches, where the arguments' addresses go, and the addresses they hold."""
+
+    __slots__ = ("launches", "patches", "ptrs", "bounds", "names", "extra")
+
+    def __init__(self, launches, ptrs, bounds, names, extra=None):
+        self.launches, self.ptrs, self.bounds, self.names, self.extra = launches, ptrs, bounds, names, extra
+        self.patches = patch_map(launches, ptrs)
+
+    def retarget(self, ptrs) -> None:
+        """Point the launches at the arguments' new addresses (each checked first: a refused one
+        leaves the launches as they were)."""
+        old, bounds = self.ptrs, self.bounds
+        for i, p in enumerate(ptrs):
+            if p != old[i]:
+                low, high = bounds[i]
+                if high and (p <= 0 or p + low < 0 or p + high > _ADDRESS_END):  # as check_address tests it
+                    check_address(self.names[i], p, bounds[i])
+        for params, name, i in self.patches:
+            setattr(params, name, ptrs[i])
+        self.ptrs = ptrs
+
+
+class PackCache:
+    """Packed launches by layout key, the least recently used dropped past :data:`KEPT`."""
+
+    def __init__(self, kept: int = KEPT):
+        self.entries: OrderedDict = OrderedDict()
+        self.kept = kept
+        self.lock = threading.Lock()  # a replay patches shared params: patch and launch under it
+
+    def get(self, key, ptrs) -> Packed | None:
+        """The entry of ``key`` retargeted at ``ptrs``, or None."""
+        entry = self.entries.get(key)
+        if entry is None:
+            return None
+        self.entries.move_to_end(key)
+        if entry.ptrs != ptrs:
+            entry.retarget(ptrs)
+        return entry
+
+    def put(self, key, launches, objs, ptrs, names, extra=None) -> Packed:
+        """Keep ``launches``, packed (and so validated) from the arguments ``objs`` at ``ptrs``."""
+        names = (*names, *(f"argument {i}" for i in range(len(names), len(objs))))  # a Batch subclass's extras
+        bounds = tuple((0, 0) if p is None else address_bounds(as_view(o, name=n)) for o, p, n in zip(objs, ptrs, names))
+        entry = self.entries[key] = Packed(launches, ptrs, bounds, names, extra)
+        while len(self.entries) > self.kept:
+            self.entries.popitem(last=False)
+        return entry
+
+    def values(self):
+        return self.entries.values()
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+
+# ---- the public ops (kvcanary.ops) called eagerly ---------------------------------------------------
+def state_key(values) -> tuple | None:
+    """Key of state arrays (a plan's): kvcanary's own DeviceArrays by identity (their address and
+    layout are fixed for life; the key holds them), any other array by layout and address; None
+    when one cannot be keyed."""
+    out = []
+    for v in values:
+        if v is None or type(v) is DeviceArray:
+            out.append(v)
+            continue
+        lay, ptr = layout_key(v)
+        if lay is None:
+            return None
+        out.append((lay, ptr))
+    return tuple(out)
+
+
+def _view_stream(objs) -> int | None:
+    """The first producer stream of the arrays (CAI v3), as :func:`kvcanary.streams.resolve` finds it."""
+    for obj in objs:
+        if obj is not None and not (type(obj) is arrays.TORCH_TENSOR[0]):
+            v = as_view(obj, name="array")
+            if v.stream is not None:
+                return int(v.stream)
+    return None
+
+
+def run(owner, head, args, names, stream, device: int, owners, stream_objs, pack) -> None:
+    """Run one eager op on ``device``: its launches as packed for the layout of ``args`` (and
+    ``head``: the op, its state and scalar arguments), else ``pack()`` (validates and packs) run
+    and kept in ``owner``'s cache. The stream is resolved per call as ``pack`` resolves it:
+    explicit, then the framework of ``owners``, then a producer stream of ``stream_objs``."""
+    cache = owner.__dict__.get("_kvc_packed")
+    if cache is None:
+        cache = owner.__dict__.setdefault("_kvc_packed", PackCache())
+    key, ptrs, _ = arg_keys(args)
+    if key is None or head is None:
+        for launch in pack():
+            launch()
+        return
+    key = (head, key)
+    with cache.lock:
+        entry = cache.get(key, ptrs)
+        if entry is None:
+            launches = pack()
+            entry = cache.put(key, launches, args, ptrs, names, extra=_view_stream(stream_objs))
+            for launch in launches:
+                launch()
+            return
+        if stream is not None:
+            s = streams.stream_handle(stream)
+        else:
+            s = streams.framework_stream(owners, device)
+            if s is None:
+                s = PER_THREAD_STREAM if entry.extra is None else entry.extra
+        for launch in entry.launches:
+            launch.go(s)
