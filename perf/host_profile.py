@@ -18,7 +18,6 @@ import cProfile
 import itertools
 import pstats
 import time
-import types
 
 import numpy as np
 
@@ -81,19 +80,8 @@ class Work:
         return [kc.Batch(**{k: t.clone() for k, t in self.fields.items()}) for _ in range(PREBUILT)]
 
     def forward_batches(self, torch, mode):
-        b = self.fields
-        out = []
-        for _ in range(PREBUILT):
-            fb = types.SimpleNamespace(forward_mode=types.SimpleNamespace(name=mode),
-                                       req_pool_indices=b["req_pool_indices"].clone(),
-                                       seq_lens=(b["prefix_lens"] + b["extend_lens"]).clone(),
-                                       input_ids=b["input_ids"].to(torch.int32), positions=b["positions"].clone(),
-                                       out_cache_loc=b["out_cache_loc"].clone())
-            if mode == "EXTEND":
-                fb.extend_prefix_lens = b["prefix_lens"].to(torch.int32)
-                fb.extend_seq_lens = b["extend_lens"].to(torch.int32)
-            out.append(fb)
-        return out
+        from perf.workloads import sglang_forward_batches
+        return sglang_forward_batches(torch, self.fields, mode, PREBUILT)
 
 
 def rows(torch, only):
@@ -161,11 +149,9 @@ def rows(torch, only):
         name = f"ops build_plan + fused_verify + write, fresh Batch, {shape}"
         if not only or only in name:
             w = Work(torch, bs, prefix, extend)
-            src = kc.source_from_slots(w.pool)
             ctx = kc.VerifyContext(kc.CanaryBuffer.allocate(w.num_slots, device=0), kc.ViolationSink.allocate(device=0),
                                    kc.LaunchTag.TAIL_K_FULL, [kc.RealKvSource(w.pool, 1, 1024, 1024)],
                                    kc.HashMode.PARTIAL)
-            del src
             plan = kc.StepPlan.allocate(bs, bs * prefix, device=0)
             batches = itertools.cycle(w.fresh())
 

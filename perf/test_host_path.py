@@ -25,14 +25,13 @@ PARTIAL fingerprints, a paged layout for the vLLM rows.
 from __future__ import annotations
 
 import itertools
-import types
 
 import numpy as np
 import pytest
 
 import kvcanary as kc
 
-from .workloads import settle
+from .workloads import settle, sglang_forward_batches
 
 TARGET = ("<=", 1.5)
 SHAPES = {"decode-bs1": (1, 1024, 1), "decode-bs64": (64, 1024, 1), "decode-bs256": (256, 1024, 1),
@@ -72,18 +71,7 @@ def fresh_batches(torch, w):
 def forward_batches(torch, w, mode: str):
     """PREBUILT SGLang-style ForwardBatches (new tensors each) of the workload's timed step."""
     b = {k: as_torch(torch, v) for k, v in w.batch.__dict__.items() if hasattr(v, "__cuda_array_interface__")}
-    out = []
-    for _ in range(PREBUILT):
-        fb = types.SimpleNamespace(forward_mode=types.SimpleNamespace(name=mode),
-                                   req_pool_indices=b["req_pool_indices"].clone(),
-                                   seq_lens=(b["prefix_lens"] + b["extend_lens"]).clone(),
-                                   input_ids=b["input_ids"].to(torch.int32), positions=b["positions"].clone(),
-                                   out_cache_loc=b["out_cache_loc"].clone())
-        if mode == "EXTEND":
-            fb.extend_prefix_lens = b["prefix_lens"].to(torch.int32)
-            fb.extend_seq_lens = b["extend_lens"].to(torch.int32)
-        out.append(fb)
-    return out
+    return sglang_forward_batches(torch, b, mode, PREBUILT)
 
 
 def time_steps(report, timer, bounds, canary, make_batch, name: str):

@@ -207,3 +207,21 @@ DECODE_256 = (256, 4096, 1)
 DECODE_64 = (64, 4096, 1)
 STEP_SHAPES = {"decode-bs1": (1, 4096, 1), "decode-bs64": (64, 4096, 1), "decode-bs256": DECODE_256,
                "prefill-32768": (1, 0, 32768)}
+
+
+def sglang_forward_batches(torch, b: dict, mode: str, n: int) -> list:
+    """``n`` SGLang-style ForwardBatches of new tensors (what an engine hands over each step) from
+    the torch Batch fields ``b``; ``mode`` is the forward mode's name (DECODE or EXTEND)."""
+    import types
+    out = []
+    for _ in range(n):
+        fb = types.SimpleNamespace(forward_mode=types.SimpleNamespace(name=mode),
+                                   req_pool_indices=b["req_pool_indices"].clone(),
+                                   seq_lens=(b["prefix_lens"] + b["extend_lens"]).clone(),
+                                   input_ids=b["input_ids"].to(torch.int32), positions=b["positions"].clone(),
+                                   out_cache_loc=b["out_cache_loc"].clone())
+        if mode == "EXTEND":
+            fb.extend_prefix_lens = b["prefix_lens"].to(torch.int32)
+            fb.extend_seq_lens = b["extend_lens"].to(torch.int32)
+        out.append(fb)
+    return out
