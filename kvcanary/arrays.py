@@ -5,8 +5,8 @@
 numpy array or an ``ArrayView`` into an ``ArrayView``: address, shape, BYTE strides, dtype, device
 and an owner that keeps the memory alive. Nothing is copied and no device memory is touched; host
 views carry a zero-copy numpy array in ``host``. ``from_pointer`` describes raw memory,
-``as_uint8_2d`` gives the [rows, row_bytes] byte view used for real-KV sources and ``require``
-validates a view with messages that say what was expected, what was got and how to fix it.
+``as_uint8_2d`` gives the [rows, row_bytes] byte view used for real-KV sources (the state arrays'
+rules are :func:`kvcanary.state.checked`).
 
 Device ordinals: ``device`` is None for host memory, else the CUDA ordinal, or -1 when the
 producer does not say (``__cuda_array_interface__`` carries no ordinal): -1 means "a CUDA device,
@@ -29,7 +29,6 @@ from . import dlpack
 from .dlpack import c_strides
 from .errors import ValidationError, ValidationTypeError
 
-ANY_DEVICE = ...          # require(device=...) default: do not check
 _TORCH_ONLY_SIZES = {"float4_e2m1fn_x2": 1, "complex32": 4, "bits8": 1, "bits16": 2,
                      "quint8": 1, "qint8": 1, "qint32": 4, "quint4x2": 1, "quint2x4": 1}
 _ACCEPTED = ("a torch tensor, an object with __cuda_array_interface__ (CuPy, JAX, Numba), an "
@@ -458,55 +457,3 @@ def as_uint8_2d(view: ArrayView, name: str) -> ArrayView:
                                  owner=view)
     return ArrayView(view.ptr, shape, strides, np.dtype(np.uint8), "uint8", view.device,
                      view.readonly, view, view.stream, host)
-
-
-def _dtype_names(dtype) -> tuple[str, ...]:
-    specs = dtype if isinstance(dtype, (tuple, list)) else (dtype,)
-    return tuple(resolve_dtype(d)[1] for d in specs)
-
-
-def require(view: ArrayView, name: str, *, dtype=None, ndim: int | None = None, shape=None,
-            contiguous: bool = False, writable: bool = False, device=ANY_DEVICE) -> ArrayView:
-    """Check ``view`` and return it. ``dtype``: one spec or a tuple of them. ``shape``: a tuple
-    whose None entries match anything. ``device``: ... (any), None (host), "cuda" (any CUDA
-    device) or an ordinal (a view with unresolved ordinal -1 passes; the driver checks it)."""
-    got = view.describe()
-    if dtype is not None:
-        names = _dtype_names(dtype)
-        if view.dtype_name not in names or (view.dtype.kind != "V" and not view.dtype.isnative):
-            order = "" if view.dtype.isnative else f" ({view.dtype.str}, non-native byte order)"
-            want = " or ".join(names)
-            _fail(ValidationTypeError, name, f"dtype {want}", f"{view.dtype_name}{order} ({got})",
-                  f"allocate or convert it as {names[0]}, e.g. t.to(torch.{names[0]}) or "
-                  f"a.astype(np.{names[0]})")
-    if shape is not None:
-        ndim = len(shape) if ndim is None else ndim
-    if ndim is not None and view.ndim != ndim:
-        _fail(ValidationError, name, f"a {ndim}-D array", f"{view.ndim}-D ({got})",
-              f"reshape it to {ndim} dimensions")
-    if shape is not None and any(w is not None and w != g for w, g in zip(shape, view.shape)):
-        want = "(" + ", ".join("*" if w is None else str(w) for w in shape) + ")"
-        _fail(ValidationError, name, f"shape {want}", f"{view.shape} ({got})",
-              f"allocate it with shape {want}")
-    if contiguous and not view.is_c_contiguous():
-        _fail(ValidationError, name, "a C-contiguous array", got, "allocate it contiguous "
-              "(t.contiguous() / np.ascontiguousarray copy it: keep and pass that copy itself if "
-              "later writes must be seen)")
-    if writable and view.readonly:
-        _fail(ValidationError, name, "a writable array", f"a read-only one ({got})",
-              "pass the writable buffer itself, not a read-only view")
-    if device is not ANY_DEVICE:
-        _require_device(view, name, device, got)
-    return view
-
-
-def _require_device(view, name, device, got):
-    if device is None and view.device is not None:
-        _fail(ValidationTypeError, name, "a host array", got, "pass a numpy array (or t.cpu())")
-    if device is not None and view.device is None:
-        want = "a CUDA device" if device == "cuda" else f"cuda:{device}"
-        _fail(ValidationTypeError, name, f"an array on {want}", got,
-              "move it to the GPU (e.g. t.cuda()) or use the CPU backend")
-    if isinstance(device, int) and view.device not in (None, -1, device):
-        _fail(ValidationError, name, f"an array on cuda:{device}", got,
-              f"allocate it on cuda:{device}, the device of the other arrays")

@@ -202,10 +202,6 @@ def new_stream(device: int) -> int:
     return int(s)
 
 
-def stream_wait(stream: int, event: Event) -> None:
-    check(event.rt.call(driver._driver().cuStreamWaitEvent, stream, event.handle, 0), "cuStreamWaitEvent")
-
-
 def stream_synchronize(stream: int, device: int) -> None:
     check(driver.runtime(device).call(driver._driver().cuStreamSynchronize, stream), "cuStreamSynchronize")
 

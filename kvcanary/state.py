@@ -48,8 +48,9 @@ def checked(array, name: str, *, dtype, shape=None, ndim=None, writable=False) -
     v = resolved(as_view(array, name=name))
     want = np.dtype(dtype).name
     if v.dtype != np.dtype(dtype):
-        raise ValidationTypeError(f"kv-canary: {name} must have dtype {want}, got {v.dtype_name}. Fix: allocate "
-                                  f"it as {want} (e.g. a.astype(np.{want}) or t.to(torch.{want}))")
+        order = "" if v.dtype.isnative else f" in non-native byte order ({v.dtype.str})"
+        raise ValidationTypeError(f"kv-canary: {name} must have dtype {want}, got {v.dtype_name}{order}. Fix: "
+                                  f"allocate it as {want} (e.g. a.astype(np.{want}) or t.to(torch.{want}))")
     if ndim is not None and len(v.shape) != ndim:
         raise ValidationError(f"kv-canary: {name} must be {ndim}-D, got shape {v.shape}. Fix: pass a "
                               f"{ndim}-D array" + (f" of shape {_shape_text(shape)}" if shape else ""))

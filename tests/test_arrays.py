@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kvcanary import dlpack
-from kvcanary.arrays import as_uint8_2d, as_view, from_pointer, require, resolve_dtype
+from kvcanary.arrays import as_uint8_2d, as_view, from_pointer, resolve_dtype
 from kvcanary.errors import ValidationError, ValidationTypeError
 
 
@@ -426,47 +426,13 @@ def test_uint8_2d_rejects_1d():
         as_uint8_2d(as_view(np.zeros(16, np.uint8), name="kv"), "kv")
 
 
-# ---- require -------------------------------------------------------------------------------------
-def test_require_accepts_and_returns_view():
-    v = as_view(np.zeros((4, 32), np.uint8), name="canary")
-    assert require(v, "canary", dtype=np.uint8, shape=(None, 32), contiguous=True,
-                   writable=True, device=None) is v
-
-
-@pytest.mark.parametrize("kwargs, cls, text", [
-    ({"dtype": "int64"}, ValidationTypeError, "expected dtype int64, got int32"),
-    ({"dtype": ("int64", "torch.int32")}, None, None),
-    ({"ndim": 1}, ValidationError, "expected a 1-D array, got 2-D"),
-    ({"shape": (3, None)}, ValidationError, "expected shape (3, *), got (4, 8)"),
-    ({"contiguous": True}, ValidationError, "expected a C-contiguous array"),
-    ({"writable": True}, ValidationError, "expected a writable array, got a read-only one"),
-    ({"device": 0}, ValidationTypeError, "expected an array on cuda:0, got shape="),
-])
-def test_require_messages(kwargs, cls, text):
-    a = np.zeros((4, 16), np.int32)[:, ::2]
-    a.setflags(write=False)
-    v = as_view(a, name="idx")
-    if cls is None:
-        require(v, "idx", **kwargs)
-        return
-    with pytest.raises(cls) as e:
-        require(v, "idx", **kwargs)
-    msg = str(e.value)
-    assert msg.startswith("kv-canary: idx: expected ") and text in msg and "Fix: " in msg
-
-
-def test_require_device_rules_and_byte_order():
-    dev = from_pointer(0x1000, (4,), np.int64, device=1)
-    unknown = from_pointer(0x1000, (4,), np.int64, device=-1)
-    require(dev, "d", device="cuda")
-    require(unknown, "u", device=0)                      # resolved later by the driver layer
-    with pytest.raises(ValidationError, match="expected an array on cuda:0"):
-        require(dev, "d", device=0)
-    with pytest.raises(ValidationTypeError, match="expected a host array"):
-        require(dev, "d", device=None)
-    swapped = as_view(np.zeros(3, dtype=">i8"), name="be")
-    with pytest.raises(ValidationTypeError, match="non-native byte order"):
-        require(swapped, "be", dtype="int64")
+# ---- state arrays --------------------------------------------------------------------------------
+def test_a_state_array_in_non_native_byte_order_is_named_so():
+    from kvcanary.state import checked
+    assert checked(np.zeros(3, np.int64), "ok", dtype=np.int64).shape == (3,)
+    with pytest.raises(ValidationTypeError, match=r"be must have dtype int64, got int64 in non-native byte order "
+                                                  r"\(>i8\)\. Fix: allocate it as int64"):
+        checked(np.zeros(3, dtype=">i8"), "be", dtype=np.int64)
 
 
 def test_ctypes_layouts_match_dlpack_h():
