@@ -54,6 +54,12 @@ class HostBackend:
     def set_consumed(self, status, value: int, stream) -> None:
         status[abi.STATUS_CONSUMED] = value
 
+    def record_slots(self, slots, num_slots: int, what: str):
+        """(the slots as ``copy_records`` takes them, their count): host slots, each checked."""
+        from .records import host_slots
+        host = host_slots(slots, num_slots, what)
+        return host, len(host)
+
     def copy_records(self, bufs, slots, records, to_buffers: bool, ctx, stream) -> None:
         """Records of ``slots`` out of (or into) the canary buffers ``bufs`` (host arrays)."""
         for b, buf in enumerate(bufs):
@@ -154,10 +160,22 @@ class CudaBackend:
             driver.check(self.rt.call(d.cuMemsetD32Async, ptr + 4 * k, word, 1, self.rt.cu_stream(s)),
                          "cuMemsetD32Async")
 
+    def record_slots(self, slots, num_slots: int, what: str):
+        """(a device int64 [n] view of the slots, n): host sequences are checked and uploaded;
+        device slots are not read (the kernel reports each one outside the pool)."""
+        from .records import host_slots
+        from .state import checked
+        if isinstance(slots, (list, tuple, np.ndarray, int, np.integer)):
+            slots = self.to_device(host_slots(slots, num_slots, what))
+        view = checked(slots, "slots", dtype=np.int64, ndim=1)
+        return view, view.shape[0]
+
     def copy_records(self, bufs, slots, records, to_buffers: bool, ctx, stream: int) -> None:
         """One kvc_copy_records launch on ``stream``: records of ``slots`` (a device int64 [n] view)
         out of (or into) the buffers; a slot outside them is reported through ``ctx``'s sink."""
         from .driver import Launch
+        from .state import checked
+        records = checked(records, "records", dtype=np.int64, ndim=3)
         p = abi.RecordsParams()
         ctx.sink.pack_ring(p, ctx.tag)
         p.kernel_run_counter = p.slot_run_counter = p.skip_counter = 0  # no launch of a verify context

@@ -345,13 +345,7 @@ class KvCanary:
         num_slots = bufs[0].num_slots
         exporting = records is None
         with self._lock:
-            if self.backend.device is None or isinstance(slots, (list, tuple, np.ndarray, int, np.integer)):
-                host = rec.host_slots(slots, num_slots, "export_records" if exporting else "import_records")
-                n = len(host)
-                dev_slots = host if self.backend.device is None else self.backend.to_device(host)
-            else:
-                dev_slots = checked(slots, "slots", dtype=np.int64, ndim=1)
-                n = dev_slots.shape[0]
+            where, n = self.backend.record_slots(slots, num_slots, "export_records" if exporting else "import_records")
             mine = rec.descriptor(self, group, n)
             if exporting:
                 out = self.backend.zeros((len(bufs), n, abi.FIELDS_PER_SLOT), np.int64)
@@ -361,10 +355,8 @@ class KvCanary:
                     raise ValidationError(f"kv-canary: import_records needs one record per slot ({n}), got {records.n}. "
                                           f"Fix: pass the slots the records were exported for, in order")
                 out = self.backend.records_array(records.records)
-            view = out if self.backend.device is None else checked(out, "records", dtype=np.int64, ndim=3)
-            s = self.backend.stream(stream, None)
-            self.backend.copy_records(bufs, dev_slots if self.backend.device is None else checked(
-                dev_slots, "slots", dtype=np.int64, ndim=1), view, not exporting, self._head_ctx[group], s)
+            self.backend.copy_records(bufs, where, out, not exporting, self._head_ctx[group],
+                                      self.backend.stream(stream, None))
             return CanaryRecords(out, mine) if exporting else None
 
     # ---- pump ------------------------------------------------------------------------------------
