@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import abi
-from .arrays import ArrayView, as_view, from_pointer
+from .arrays import ArrayView, as_uint8_2d, as_view, from_pointer
 from .errors import ValidationError, ValidationTypeError
 from .validate import INT32_MAX, fail, integer, optional_integer
 
@@ -152,36 +152,14 @@ def marshal_sources(sources: Sequence[RealKvSource], mode: abi.HashMode, num_slo
 
 
 # ---- layout helpers ------------------------------------------------------------------------------
-def _rows_view(tensor, rows_dims: int, name: str) -> ArrayView:
-    """[d0, ..., d_{k-1}, rest...] -> uint8 [d0*...*d_{k-1}, bytes(rest)] without copying."""
-    v = resolved(as_view(tensor, name=name))
-    if len(v.shape) <= rows_dims:
-        raise ValidationError(f"kv-canary: {name} must have more than {rows_dims} dimension(s) ([rows, bytes of "
-                              f"a row...]), got shape {v.shape}. Fix: pass the pool itself, e.g. [slots, heads, "
-                              f"dim] or [pages, page_size, heads, dim]")
-    if not v.numel:
+def _rows_view(pool, name: str) -> ArrayView:
+    """An allocated pool ``[rows, ...]`` as uint8 ``[rows, bytes of a row]``, without copying
+    (:func:`kvcanary.arrays.as_uint8_2d`, which says what is wrong with any other layout)."""
+    v = resolved(as_view(pool, name=name))
+    if v.ndim >= 2 and not v.numel:
         raise ValidationError(f"kv-canary: {name} must hold at least one row of bytes, got shape {v.shape}. Fix: pass "
                               f"the allocated pool")
-    item = v.dtype.itemsize
-    inner = 1
-    for dim in v.shape[rows_dims:]:
-        inner *= dim
-    expect = item
-    for extent, stride in reversed(list(zip(v.shape[rows_dims:], v.strides[rows_dims:]))):
-        if extent != 1 and stride != expect:
-            raise ValidationError(f"kv-canary: {name} must be contiguous after its first {rows_dims} "
-                                  f"dim(s), got shape {v.shape} strides {v.strides} bytes; fix: use the "
-                                  f"pool's storage layout (no transposed views)")
-        expect *= extent
-    rows, row_stride = 1, v.strides[rows_dims - 1]
-    for i in range(rows_dims):
-        rows *= v.shape[i]
-    for i in range(rows_dims - 1):  # leading dims must collapse into one strided row index
-        if v.strides[i] != v.strides[i + 1] * v.shape[i + 1]:
-            raise ValidationError(f"kv-canary: {name} leading dims must collapse into rows, got shape {v.shape}, "
-                                  f"strides {v.strides}; fix: pass one layer at a time")
-    return from_pointer(v.ptr, (rows, inner * item), np.uint8, device=v.device,
-                        strides=(row_stride, 1), readonly=v.readonly, owner=v)
+    return as_uint8_2d(v, name)
 
 
 def sources_from_pages(pool, *, page_size: int | None = None, read_bytes: int | None = None) -> RealKvSource:
@@ -192,7 +170,7 @@ def sources_from_pages(pool, *, page_size: int | None = None, read_bytes: int | 
     if len(v.shape) < 2:
         raise ValidationError(f"kv-canary: pool must be [pages, page_size, ...], got shape {v.shape}. Fix: pass "
                               f"the paged pool itself (e.g. [num_blocks, block_size, heads, dim])")
-    rows = _rows_view(pool, 1, "pool")
+    rows = _rows_view(pool, "pool")
     page = v.shape[1] if page_size is None else int(page_size)
     if page < 1 or rows.shape[1] % page or (rows.shape[1] // page) % abi.REAL_KV_ALIGN:
         fail("page_size", f"a divisor of the page's {rows.shape[1]} bytes into tokens of a multiple of 16 bytes",
@@ -202,7 +180,7 @@ def sources_from_pages(pool, *, page_size: int | None = None, read_bytes: int | 
 
 def source_from_slots(pool, *, read_bytes: int | None = None) -> RealKvSource:
     """A per-token pool ``[slots, ...]`` (SGLang MHA ``[slots, heads, dim]``, MLA ``[slots, 1, dim]``)."""
-    rows = _rows_view(pool, 1, "pool")
+    rows = _rows_view(pool, "pool")
     if rows.shape[1] % abi.REAL_KV_ALIGN or not rows.shape[1]:
         fail("pool", "a [slots, ...] pool of a positive multiple of 16 bytes per slot", f"{rows.shape[1]} bytes per "
              f"slot (shape {as_view(pool, name='pool').shape})", "pad the token to 16 bytes, or fingerprint another "

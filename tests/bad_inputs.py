@@ -473,7 +473,8 @@ rows("sources.sources_from_pages.read_bytes", lambda v: kc.sources_from_pages(pa
 rows("sources.source_from_slots", lambda v: kc.source_from_slots(v),
      [("None", None, TYPE), ("1d", np.zeros(64, np.uint8), ERR), ("24-bytes", np.zeros((64, 24), np.uint8), ERR),
       ("transposed", np.zeros((64, 64), np.uint8).T, ERR), ("fp16-3d", np.zeros((64, 2, 16), np.float16), OK),
-      ("'x'", "x", TYPE)])
+      ("'x'", "x", TYPE), ("reversed", np.zeros((64, 16), np.uint8)[::-1], ERR),
+      ("0-slots", np.zeros((0, 16), np.uint8), ERR), ("1-slot", np.zeros((1, 16), np.uint8), OK)])
 rows("sources.source_from_slots.read_bytes", lambda v: kc.source_from_slots(pool(), read_bytes=v),
      [("7", 7, ERR), ("'16'", "16", TYPE), ("0", 0, ERR), ("64", 64, OK)])
 rows("sources.sources_from_vllm", lambda v: kc.sources_from_vllm(v),
