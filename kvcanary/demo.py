@@ -159,8 +159,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         files.append(png or "(no PNG: pip install matplotlib)")
         print("wrote " + ", ".join(files), file=out)
     ok = report.passed(result, clean)
-    print("result: " + ("every exercised injection of a covered class was caught; no false positives" if ok
-                        else "MISSES OR FALSE POSITIVES, see above"), file=out)
+    print(report.result_line(ok), file=out)
     return 0 if ok else 1
 
 

@@ -25,7 +25,7 @@ import numpy as np
 from . import abi, backends, ops
 from .errors import KvCanaryError, ValidationError, ValidationTypeError
 from .packing import PackCache, arg_keys
-from .plan import MAX_BATCH_LIMIT, Batch, StepPlan
+from .plan import BATCH_FIELD_NAMES, MAX_BATCH_LIMIT, Batch, StepPlan
 from .driver import PER_THREAD_STREAM
 from .records import CanaryRecords
 from .selftest import SelfTest
@@ -37,7 +37,6 @@ from .violations import decode_ring
 
 STAGES = ("HEAD", "TAIL")
 LAYOUTS_KEPT = 8  # packed launch sets kept per stage, one per distinct batch layout
-_FIELD_NAMES = tuple(f"batch.{name}" for name in Batch.__dataclass_fields__)
 
 
 @dataclass
@@ -245,7 +244,7 @@ class KvCanary:
         entry = cache.get(key, ptrs)
         if entry is None:
             launches = self._pack(batch, stage, stream)
-            entry = cache.put(key, launches, fields, ptrs, _FIELD_NAMES)
+            entry = cache.put(key, launches, fields, ptrs, BATCH_FIELD_NAMES)
         if fixed:  # every field IMMUTABLE: identity proves their layout and address
             self._hot[stage] = (fields, entry)
         return entry.launches

@@ -19,7 +19,7 @@ import numpy as np
 from . import abi, packing, reference, reference_plan, streams
 from .driver import Launch
 from .errors import ValidationError
-from .plan import Batch, StepPlan, check_batch_values
+from .plan import BATCH_FIELD_NAMES, Batch, StepPlan, check_batch_values
 from .state import VerifyContext, ViolationSink, checked, same_device
 from .validate import boolean, instance
 
@@ -99,7 +99,6 @@ def _check_plan_device(ctx: VerifyContext, plan: StepPlan) -> None:
 
 _PLAN_ARRAYS = ("offsets", "seed", "num_valid_reqs", "entry_offsets", "num_valid", "enable", "slot",
                 "expected_token", "expected_position", "prev_slot")
-_BATCH_NAMES = tuple(f"batch.{name}" for name in Batch.__dataclass_fields__)
 
 
 def _plan_key(plan: StepPlan):
@@ -288,7 +287,7 @@ def build_plan(batch: Batch, plan: StepPlan, *, swa_window: int = 0, swa_map=Non
     sink = (plan._reject_sink,) if ctx is None else (ctx.sink, int(ctx.tag), ctx.device)
     head = None if pk is None or sink[0] is None else ("build_plan", pk, sink, _scalar(swa_window))
     args = (*batch.__dict__.values(), swa_map)
-    packing.run(plan, head, args, (*_BATCH_NAMES, "swa_map"), stream, plan.device, (batch.req_pool_indices,),
+    packing.run(plan, head, args, (*BATCH_FIELD_NAMES, "swa_map"), stream, plan.device, (batch.req_pool_indices,),
                 _batch_order(batch, swa_map), pack)
 
 
@@ -349,7 +348,7 @@ def fused_verify(ctx: VerifyContext, batch: Batch, plan: StepPlan, *, swa_window
     pk = _plan_key(plan)
     head = None if pk is None else ("fused_verify", pk, ctx.common, _scalar(swa_window), _scalar(check_expected_token))
     args = (*batch.__dict__.values(), swa_map)
-    packing.run(ctx, head, args, (*_BATCH_NAMES, "swa_map"), stream, ctx.device,
+    packing.run(ctx, head, args, (*BATCH_FIELD_NAMES, "swa_map"), stream, ctx.device,
                 (batch.req_pool_indices, ctx.buffer.array), _batch_order(batch, swa_map), pack)
 
 
@@ -372,9 +371,8 @@ def prepare_fused_verify(ctx: VerifyContext, batch: Batch, plan: StepPlan, *, sw
             expected_valid_lens=h("expected_valid_lens"), expected_token_offset=batch.expected_token_offset)
         s = ctx.sink
         s.kernel_run_view.host[0] += 1
-        test = _ref_self_test(ctx)
-        _report(s)(reference.self_test_rows(test["self_test"], test["self_test_every"], int(s.kernel_run_view.host[0]),
-                                            ctx.buffer.num_slots, int(ctx.tag)))
+        _report(s)(reference.self_test_rows(run=int(s.kernel_run_view.host[0]), num_slots=ctx.buffer.num_slots,
+                                            tag=int(ctx.tag), **_ref_self_test(ctx)))
         if active >= 0:
             s.slot_run_view.host[0] += active
             if skipped and s.skips_view is not None:

@@ -147,6 +147,9 @@ def check_batch_values(v: dict[str, ArrayView], batch: "Batch", *, swa: bool) ->
                 "extend_lens, or pad with -1 (skip) or 0 (the padding slot)", value=i, bound=need, slot=loc.host[i])
 
 
+
+BATCH_FIELD_NAMES = tuple(f"batch.{name}" for name in Batch.__dataclass_fields__)  # in field order
+
 @dataclass
 class StepPlan:
     """Device (or host) arrays of one step: WritePlan, verify-entry offsets, optional VerifyPlan.

@@ -143,14 +143,14 @@ def _rows(tag, *cols) -> np.ndarray:
 
 
 # ---- verify (docs/format.md §6) --------------------------------------------------------------------------------
-def self_test_rows(record, every: int, run: int, num_slots: int, tag) -> np.ndarray:
+def self_test_rows(*, self_test, self_test_every: int, run: int, num_slots: int, tag) -> np.ndarray:
     """The row run number ``run`` (1, 2, ...) of a verify launch appends for its self-test
-    (docs/format.md §11): none unless ``every`` > 0 divides ``run``; else SELF_TEST plus the
-    mismatch bits of the canary-only ``record`` against SELF_TEST_TOKEN at SELF_TEST_POSITION,
-    at slot ``num_slots`` (past the pool's), expected aux = ``run``."""
-    if record is None or every <= 0 or run % every:
+    (docs/format.md §11): none unless ``self_test_every`` > 0 divides ``run``; else SELF_TEST plus
+    the mismatch bits of the canary-only record ``self_test`` against SELF_TEST_TOKEN at
+    SELF_TEST_POSITION, at slot ``num_slots`` (past the pool's), expected aux = ``run``."""
+    if self_test is None or self_test_every <= 0 or run % self_test_every:
         return np.zeros((0, RING_COLS), np.int64)
-    rec = np.asarray(record, np.int64)
+    rec = np.asarray(self_test, np.int64)
     token, position, prev = int(rec[FIELD_TOKEN]), int(rec[FIELD_POSITION]), int(rec[FIELD_PREV_HASH])
     bits = int(FailReason.SELF_TEST)
     bits |= _POSITION if position != SELF_TEST_POSITION else 0
@@ -169,8 +169,9 @@ def verify(*, canary, slot, expected_token, expected_position, prev_slot, num_va
     ``canary`` is never modified.
     """
     kernel_run_counter[0] += 1
-    ring_append(ring, write_index, self_test_rows(self_test, self_test_every, int(kernel_run_counter[0]),
-                                                  _words(canary).shape[0], tag), claim, consumed)
+    ring_append(ring, write_index, self_test_rows(self_test=self_test, self_test_every=self_test_every,
+                                                  run=int(kernel_run_counter[0]), num_slots=_words(canary).shape[0],
+                                                  tag=tag), claim, consumed)
     if int(enable[0]) == 0:
         return
     active = min(max(int(num_valid[0]), 0), len(slot))

@@ -232,16 +232,19 @@ def run_campaign(classes=CLASSES, modes=MODES, injections: int = 3, *, backend: 
     cells, runs = {}, []
     for c in classes:
         for m in modes:
-            covered, why = coverage(c, m)
-            cell = dict(covered=covered, note=why)
-            if covered:
-                rs = [next(records) for _ in range(injections)]
-                cell.update(_summary(rs))
-                runs += rs
-            cells[f"{c}/{m}"] = cell
+            rs = [next(records) for _ in range(injections)] if coverage(c, m)[0] else []
+            cells[f"{c}/{m}"] = cell(c, m, rs)
+            runs += rs
     return dict(backend=backend, seed=seed, injections=injections, classes=list(classes), modes=list(modes),
                 titles={c: TITLES[c] for c in classes}, partial_note=PARTIAL_NOTE, cells=cells, runs=runs,
                 seconds=round(time.perf_counter() - t0, 2))
+
+
+def cell(cls: str, mode: str, rs: list[dict]) -> dict:
+    """The table cell of ``cls`` x ``mode`` from its injections' records ``rs`` (none when the mode
+    cannot see the class)."""
+    covered, why = coverage(cls, mode)
+    return dict(covered=covered, note=why, **(_summary(rs) if covered else {}))
 
 
 def _summary(rs: list[dict]) -> dict:

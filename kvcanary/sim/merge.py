@@ -23,7 +23,7 @@ import sys
 
 from ..errors import ValidationError
 from . import campaign, report
-from .faults import CLASSES, MODES, coverage
+from .faults import CLASSES, MODES
 
 
 def merge(parts: list[dict]) -> tuple[dict, list[dict]]:
@@ -54,14 +54,8 @@ def merge(parts: list[dict]) -> tuple[dict, list[dict]]:
             name = f"{c}/{m}"
             if name not in owner:
                 continue
-            if name in given:
-                cells[name] = given[name]
-                continue
-            covered, why = coverage(c, m)
-            cell = dict(covered=covered, note=why)
-            if covered:
-                cell.update(campaign._summary([r for r in runs if r["cls"] == c and r["mode"] == m]))
-            cells[name] = cell
+            cells[name] = given[name] if name in given else \
+                campaign.cell(c, m, [r for r in runs if r["cls"] == c and r["mode"] == m])
     titles = {c: t for p in parts for c, t in p["titles"].items()}
     result = dict(backend=parts[0]["backend"], seed=parts[0]["seed"], injections=parts[0]["injections"],
                   classes=classes, modes=modes, titles=titles, partial_note=parts[0]["partial_note"], cells=cells,
@@ -105,8 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     table = report.format_table(result, clean)
     ok = report.passed(result, clean)
-    table += "\nresult: " + ("every exercised injection of a covered class was caught; no false positives" if ok
-                             else "MISSES OR FALSE POSITIVES, see above")
+    table += "\n" + report.result_line(ok)
     with open(os.path.join(args.out, "campaign.txt"), "w") as f:
         f.write(table + "\n")
     report.write_json(result, clean, os.path.join(args.out, "campaign.json"))

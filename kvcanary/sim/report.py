@@ -74,6 +74,12 @@ def passed(result: dict, clean: list[dict] | None = None) -> bool:
             and all(c["false_positives"] == 0 for c in clean or []) and not harness_errors(result))
 
 
+def result_line(ok: bool) -> str:
+    """The campaign's last line, from :func:`passed`."""
+    return "result: " + ("every exercised injection of a covered class was caught; no false positives" if ok
+                         else "MISSES OR FALSE POSITIVES, see above")
+
+
 def write_json(result: dict, clean: list[dict] | None, path: str) -> str:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
