@@ -271,3 +271,5 @@ def test_a_campaign_run_in_parts_merges_into_the_one_shot_campaign(tmp_path):
         merge.merge([b, b])
     with pytest.raises(ValidationError, match="must share seed"):
         merge.merge([a, {**b, "seed": 6}])
+    (tmp_path / "other.json").write_text('{"cells": {}}')
+    assert merge.main([paths[0], str(tmp_path / "other.json"), "--out", str(tmp_path / "x")]) == 2

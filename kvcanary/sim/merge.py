@@ -91,9 +91,21 @@ def main(argv: list[str] | None = None) -> int:
         parts = []
         for path in args.parts:
             with open(path) as f:
-                parts.append(json.load(f))
+                try:
+                    parts.append(json.load(f))
+                except json.JSONDecodeError as exc:
+                    raise ValidationError(f"kv-canary: {path} must be a campaign JSON, got text that is not JSON "
+                                          f"({exc}). Fix: pass the campaign.json the demo wrote with --out") from None
         result, clean = merge(parts)
-    except (OSError, ValueError, KeyError) as exc:
+    except KeyError as exc:
+        print(f"{p.prog}: error: kv-canary: every part must be a campaign.json (or campaign-summary.json), got one "
+              f"without {exc}. Fix: pass the files the demo wrote with --out", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"{p.prog}: error: kv-canary: every part must be a readable file, got {exc}. Fix: pass the "
+              f"campaign.json files the demo wrote with --out", file=sys.stderr)
+        return 2
+    except ValidationError as exc:  # a part that is not JSON or does not fit the others
         print(f"{p.prog}: error: {exc}", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
