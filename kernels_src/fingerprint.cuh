@@ -83,6 +83,32 @@ __device__ __forceinline__ uint64_t kvc_fingerprint_many(const P& p, long long s
   return total;
 }
 
+// Fingerprint of lane's `slot` (0 unless `own`) for the write kernel, every lane of the warp calling
+// it. A warp holding few slots of many sources (a decode step stamped over every layer) spreads each
+// slot's sources over its lanes: lane l folds sources l, l + 32, ..., one memory round trip for all
+// of them, and the slot's lane folds the per-source values in source order (§3). Otherwise each
+// lane fingerprints its own slot, the sources' first loads batched (kvc_fingerprint_many).
+template <class P>
+__device__ __forceinline__ uint64_t kvc_fingerprint_lanes(const P& p, long long slot, bool own) {
+  const unsigned mask = __ballot_sync(KVC_FULL_MASK, own);
+  const int per_slot = (p.num_sources + 31) / 32, batches = (p.num_sources + KVC_SOURCE_BATCH - 1) / KVC_SOURCE_BATCH;
+  if (__popc(mask) * per_slot >= batches) return own ? kvc_fingerprint_many(p, slot) : 0;
+  const int lane = threadIdx.x & 31;
+  uint64_t mine = 0;
+  for (int owner = 0; owner < 32; ++owner) {
+    if (!((mask >> owner) & 1u)) continue;  // the same in every lane
+    const long long s = __shfl_sync(KVC_FULL_MASK, slot, owner);
+    uint64_t total = 0;
+    for (int i0 = 0; i0 < p.num_sources; i0 += 32) {
+      const uint64_t h = i0 + lane < p.num_sources ? kvc_fold_strip(p.sources[i0 + lane], s) : 0;
+      const int m = p.num_sources - i0 < 32 ? p.num_sources - i0 : 32;
+      for (int k = 0; k < m; ++k) total = kvc_sm(total ^ __shfl_sync(KVC_FULL_MASK, h, k));
+    }
+    if (lane == owner) mine = total;
+  }
+  return mine;
+}
+
 // Fingerprint of lane's `slot` (0 unless `own`), the strips fetched by the whole warp: each round
 // copies the next 128-byte line of every strip straight into shared memory (4 strips per
 // instruction, two rounds in flight), and every lane folds its own strip from there. Every lane of

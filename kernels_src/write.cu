@@ -8,7 +8,14 @@
 // would compete with the chain for warp 0's issue slots. Graph-safe: per-step values live on the
 // device. A request the plan builder rejected (seed KVC_SEED_INVALID + field, reported there)
 // stamps nothing; every slot read from device memory is checked against the buffer.
-#include "common.cuh"
+//
+// The chain once per step: a launch given a chain source (another buffer of the group that this
+// step already stamped with the same tokens, e.g. HEAD K for HEAD V, TAIL K and TAIL V) first
+// checks every link of a request in parallel (kvc_chain_links) and, when all hold, takes each
+// entry's PREV_HASH from the source instead of running the serial chain. The stores are the ones
+// the serial chain would make, byte for byte; any request whose links do not all hold (a record
+// changed, a slot skipped) runs the serial chain.
+#include "fingerprint.cuh"
 
 static_assert(KVC_BLOCK_THREADS == 256, "the write kernel's warp roles assume 8 warps");
 #define KVC_WRITE_WORKERS 192                // warps 1-3 and 5-7: loads, folds and stores
@@ -33,23 +40,22 @@ struct KvcWriteChain {
   long long position[KVC_WRITE_CHUNK];  // the position asserted against (+1) per entry
 };
 
-// Entries [base, min(base + CHUNK, end)) into `st`; slot -1 pads the tail of the chunk.
+// Entries [base, min(base + CHUNK, end)) into `st`; slot -1 pads the tail of the chunk. Every
+// worker loads one entry (CHUNK == WORKERS), so whole warps fingerprint together.
 __device__ __forceinline__ void kvc_write_load(const KvcWriteParams& p, KvcWriteStage& st, long long base,
                                                long long end, int t) {
   for (int j = t; j < KVC_WRITE_CHUNK; j += KVC_WRITE_WORKERS) {
     const long long i = base + j;
     long long slot = -1, token = 0, position = 0;
-    uint64_t rkv = 0;
     if (i < end) {
       slot = p.out_cache_loc[i];
       token = p.input_ids[i];
       position = p.positions[i];
-      if (slot >= 0 && slot < p.num_slots) rkv = kvc_fingerprint(p, slot);
     }
     st.slot[j] = slot;
     st.token[j] = token;
     st.position[j] = position;
-    st.rkv[j] = rkv;
+    st.rkv[j] = kvc_fingerprint_lanes(p, slot, slot >= 0 && slot < p.num_slots);
   }
 }
 
@@ -75,6 +81,36 @@ __device__ __forceinline__ void kvc_write_chain(const KvcWriteParams& p, const K
   for (int j = 0; j < n; ++j) kvc_chain_step(p, out, j, st.slot[j], st.token[j], st.position[j], running, running_pos);
 }
 
+// Check and store entry i (slot, token, position) with the chain value it stores and the position
+// it asserts against (+1); `store` false for an earlier occurrence of a slot repeated in its chunk.
+// Returns whether the entry was stamped.
+__device__ __forceinline__ bool kvc_write_entry(const KvcWriteParams& p, long long i, long long slot, long long token,
+                                                long long position, uint64_t chain, long long prev_position,
+                                                uint64_t rkv, bool has_expected, bool pos_assert, bool store) {
+  if (slot >= p.num_slots) {
+    kvc_record(p, slot, position, token, KVC_NO_EXPECTED_TOKEN, chain, 0, KVC_SLOT_OUT_OF_RANGE);
+    return false;
+  }
+  if (slot < 0) return false;
+  if (has_expected) {
+    const long long et = p.expected_input_ids[i], ep = p.expected_positions[i];
+    const long long bits = (token != et ? KVC_WRITE_TOKEN_MISMATCH : 0) |
+                           (position != ep ? KVC_WRITE_POSITION_MISMATCH : 0);
+    if (bits) kvc_record(p, slot, position, token, et, chain, (uint64_t)ep, bits);
+  }
+  if (pos_assert && position != prev_position + 1)
+    kvc_record(p, slot, position, token, token, chain, (uint64_t)(prev_position + 1),  // SGLang's column 4
+               KVC_WRITE_POSITION_MISMATCH);
+  if (store) {
+    long long* f = p.canary + slot * p.slot_stride_words;
+    f[KVC_FIELD_TOKEN] = token;
+    f[KVC_FIELD_POSITION] = position;
+    f[KVC_FIELD_PREV_HASH] = (long long)chain;
+    f[KVC_FIELD_REAL_KV_HASH] = (long long)rkv;
+  }
+  return true;
+}
+
 // Check and store the n entries of a chunk whose chain values are in `ch` (worker threads).
 // Returns the entries this thread stamped.
 __device__ __forceinline__ unsigned kvc_write_store(const KvcWriteParams& p, const KvcWriteStage& st,
@@ -82,34 +118,61 @@ __device__ __forceinline__ unsigned kvc_write_store(const KvcWriteParams& p, con
                                                     bool has_expected, bool pos_assert) {
   unsigned stamped = 0;
   for (int j = t; j < n; j += KVC_WRITE_WORKERS) {
-    const long long slot = st.slot[j], token = st.token[j], position = st.position[j];
-    const uint64_t chain = ch.prev_hash[j];
-    const long long i = base + j;
-    if (slot >= p.num_slots) {
-      kvc_record(p, slot, position, token, KVC_NO_EXPECTED_TOKEN, chain, 0, KVC_SLOT_OUT_OF_RANGE);
-      continue;
-    }
-    if (slot < 0) continue;
-    if (has_expected) {
-      const long long et = p.expected_input_ids[i], ep = p.expected_positions[i];
-      const long long bits = (token != et ? KVC_WRITE_TOKEN_MISMATCH : 0) |
-                             (position != ep ? KVC_WRITE_POSITION_MISMATCH : 0);
-      if (bits) kvc_record(p, slot, position, token, et, chain, (uint64_t)ep, bits);
-    }
-    if (pos_assert && position != ch.position[j] + 1)
-      kvc_record(p, slot, position, token, token, chain, (uint64_t)(ch.position[j] + 1),  // SGLang's column 4
-                 KVC_WRITE_POSITION_MISMATCH);
-    ++stamped;
+    const long long slot = st.slot[j];
     bool repeated = false;  // a slot repeated in one chunk: only its last occurrence stores
 #pragma unroll 8
     for (int k = j + 1; k < n; ++k) repeated |= st.slot[k] == slot;
-    if (!repeated) {
-      long long* f = p.canary + slot * p.slot_stride_words;
-      f[KVC_FIELD_TOKEN] = token;
-      f[KVC_FIELD_POSITION] = position;
-      f[KVC_FIELD_PREV_HASH] = (long long)chain;
-      f[KVC_FIELD_REAL_KV_HASH] = (long long)st.rkv[j];
+    stamped += kvc_write_entry(p, base + j, slot, st.token[j], st.position[j], ch.prev_hash[j], ch.position[j],
+                               st.rkv[j], has_expected, pos_assert, !repeated);
+  }
+  return stamped;
+}
+
+// PREV_HASH of `slot` in the chain source (0 <= slot < num_slots; the source has as many slots).
+__device__ __forceinline__ uint64_t kvc_source_chain(const KvcWriteParams& p, long long slot) {
+  return (uint64_t)p.chain_source[slot * p.slot_stride_words + KVC_FIELD_PREV_HASH];
+}
+
+// Whether the chain source holds request [start, end)'s chain (every thread of the block calls it):
+// each entry's slot is in the buffer and its source record holds the entry's token and position and,
+// as PREV_HASH, the seed's hash (first entry) or mix3 of the previous entry's source PREV_HASH, token
+// and position. By induction over the entries those PREV_HASH values are the serial chain's.
+__device__ __forceinline__ bool kvc_chain_links(const KvcWriteParams& p, long long start, long long end,
+                                                uint64_t seed_hash) {
+  bool ok = true;
+  for (long long i = start + threadIdx.x; ok && i < end; i += blockDim.x) {
+    const long long slot = p.out_cache_loc[i], prev = i > start ? p.out_cache_loc[i - 1] : 0;
+    if (slot < 0 || slot >= p.num_slots || prev < 0 || prev >= p.num_slots) {
+      ok = false;
+      break;
     }
+    const long long* h = p.chain_source + slot * p.slot_stride_words;
+    const uint64_t want = i > start ? kvc_mix3(kvc_source_chain(p, prev), (uint64_t)p.input_ids[i - 1],
+                                               (uint64_t)p.positions[i - 1])
+                                    : seed_hash;
+    ok = h[KVC_FIELD_TOKEN] == p.input_ids[i] && h[KVC_FIELD_POSITION] == p.positions[i] &&
+         (uint64_t)h[KVC_FIELD_PREV_HASH] == want;
+  }
+  return __syncthreads_and(ok) != 0;
+}
+
+// Request [start, end) stamped with the chain source's values (kvc_chain_links held), an entry per
+// thread. Repeated slots need no last-occurrence rule here: the links proved that every occurrence
+// of a slot stores the same token, position and chain, and the slot's bytes give the same fingerprint.
+// Slots are read again and checked again: the arrays are device memory.
+__device__ __forceinline__ unsigned kvc_write_linked(const KvcWriteParams& p, long long start, long long end,
+                                                     long long seed_position, bool has_expected, bool pos_assert) {
+  unsigned stamped = 0;
+  for (long long base = start; base < end; base += blockDim.x) {  // the same rounds in every thread
+    const long long i = base + threadIdx.x;
+    const long long slot = i < end ? p.out_cache_loc[i] : -1;
+    const bool in = slot >= 0 && slot < p.num_slots;
+    const uint64_t rkv = kvc_fingerprint_lanes(p, slot, in);  // every lane of the warp
+    if (i >= end) continue;
+    const uint64_t chain = in ? kvc_source_chain(p, slot) : 0;
+    const long long prev_position = i > start ? p.positions[i - 1] : seed_position;
+    stamped += kvc_write_entry(p, i, slot, p.input_ids[i], p.positions[i], chain, prev_position, rkv,
+                               has_expected, pos_assert, true);
   }
   return stamped;
 }
@@ -130,7 +193,7 @@ extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_write(const 
     const long long end = kvc_clamp(p.offsets[r + 1], start, T);
     const long long seed = p.seed[r];
     const int chunks = (int)((end - start + KVC_WRITE_CHUNK - 1) / KVC_WRITE_CHUNK);
-    uint64_t running = kvc_sm(KVC_ANCHOR);  // meaningful in thread 0, which runs the chain
+    uint64_t running = kvc_sm(KVC_ANCHOR);  // the chain's value before the first entry
     long long running_pos = 0;
     bool pos_assert = false;
     if (seed > KVC_SEED_INVALID && seed <= KVC_SEED_INVALID + KVC_BATCH_FIELD_MAX) continue;  // rejected
@@ -139,10 +202,12 @@ extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_write(const 
       if (tid == 0) kvc_record(p, seed, -1, 0, KVC_NO_EXPECTED_TOKEN, 0, 0, KVC_SLOT_OUT_OF_RANGE);
     } else if (seed >= 0) {
       pos_assert = assert_flag;
-      if (tid == 0) {
-        running = kvc_slot_hash(p, seed);
-        running_pos = kvc_slot(p, seed)[KVC_FIELD_POSITION];
-      }
+      running = kvc_slot_hash(p, seed);
+      running_pos = kvc_slot(p, seed)[KVC_FIELD_POSITION];
+    }
+    if (p.chain_source != 0 && chunks > 0 && kvc_chain_links(p, start, end, running)) {
+      stamped += kvc_write_linked(p, start, end, running_pos, has_expected, pos_assert);
+      continue;
     }
     if (worker >= 0 && chunks > 0) kvc_write_load(p, stage[0], start, end, worker);
     __syncthreads();

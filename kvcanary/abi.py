@@ -260,6 +260,7 @@ WRITE_PARAMS = StructDecl("KvcWriteParams", COMMON + (
     _F("expected_input_ids", "ptr:const long long"),   # 0 when not given
     _F("expected_positions", "ptr:const long long"),   # 0 when not given
     _F("chain_position_assert", "ptr:const int"),      # 0 when not given (assert off)
+    _F("chain_source", "ptr:const long long"),         # 0, or a buffer of the group stamped with these tokens
 ))
 
 # The engine's batch, as the plan builder and the fused verify read it (docs/format.md §8).

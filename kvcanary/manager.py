@@ -263,13 +263,15 @@ class KvCanary:
             if loc is None:
                 raise ValidationError(f"kv-canary: batch.{'swa_' if g == 'SWA' else ''}out_cache_loc must be given "
                                       f"to stamp the {g} group, got None. Fix: pass the new tokens' slots")
+            first = self.ctx[Key("HEAD", g, grp.resolved_halves()[0], "write")]  # runs the step's serial chain
             for h in grp.resolved_halves():  # stamp first, then verify: a new token stamped over a slot that
                 # another request still reads (premature free, a draft landing in a committed slot) is
                 # then caught by this very stage, before the forward reads it (HEAD) or right after (TAIL)
                 vctx, wctx = self.ctx[Key(stage, g, h, "verify")], self.ctx[Key(stage, g, h, "write")]
                 out.append(ops.prepare_write(wctx, plan, batch.input_ids, batch.positions, loc, stream=stream,
                                              expected_input_ids=batch.expected_input_ids,
-                                             expected_positions=batch.expected_positions))
+                                             expected_positions=batch.expected_positions,
+                                             chain_from=None if wctx is first else first))
                 if self.fused:
                     out.append(ops.prepare_fused_verify(vctx, batch, plan, check_expected_token=self.check_expected_token,
                                                         stream=stream, **swa))

@@ -171,16 +171,23 @@ def prepare_verify(ctx: VerifyContext, plan: StepPlan, *, check_expected_token: 
 
 # ---- write ---------------------------------------------------------------------------------------
 def write(ctx: VerifyContext, plan: StepPlan, input_ids, positions, out_cache_loc, *,
-          expected_input_ids=None, expected_positions=None, stream=None) -> None:
-    """Stamp new tokens into ``ctx``'s buffer along the write plan (docs/format.md §7)."""
+          expected_input_ids=None, expected_positions=None, stream=None,
+          chain_from: VerifyContext | None = None) -> None:
+    """Stamp new tokens into ``ctx``'s buffer along the write plan (docs/format.md §7).
+    ``chain_from``: the context of another buffer of the group stamped with these tokens earlier
+    on the stream (HEAD's, for TAIL): the chain is then taken from it where it checks out
+    (the chain once per step, §7); the buffer ends the same either way."""
     def pack():
         launch = prepare_write(ctx, plan, input_ids, positions, out_cache_loc, stream=stream,
-                               expected_input_ids=expected_input_ids, expected_positions=expected_positions)
+                               expected_input_ids=expected_input_ids, expected_positions=expected_positions,
+                               chain_from=chain_from)
         return [] if launch is None else [launch]
-    if not (isinstance(ctx, VerifyContext) and isinstance(plan, StepPlan)) or ctx.device is None:
+    if not (isinstance(ctx, VerifyContext) and isinstance(plan, StepPlan)) or ctx.device is None \
+            or not (chain_from is None or isinstance(chain_from, VerifyContext)):
         return _run(pack())
     pk = _plan_key(plan)
-    head = None if pk is None else ("write", pk, ctx.common)
+    chain = None if chain_from is None else chain_from.common  # its buffer's address and shape
+    head = None if pk is None else ("write", pk, ctx.common, chain)
     args = (input_ids, positions, out_cache_loc, expected_input_ids, expected_positions)
     packing.run(ctx, head, args, _WRITE_NAMES, stream, ctx.device, (input_ids, ctx.buffer.array),
                 (*args, plan.offsets, plan.seed, plan.num_valid_reqs), pack)
@@ -190,10 +197,24 @@ _WRITE_NAMES = ("input_ids", "positions", "out_cache_loc", "expected_input_ids",
 
 
 def prepare_write(ctx: VerifyContext, plan: StepPlan, input_ids, positions, out_cache_loc, *,
-                  expected_input_ids=None, expected_positions=None, stream=None) -> Launch | None:
-    """:func:`write` validated and packed; host arrays run on the reference now (returns None)."""
+                  expected_input_ids=None, expected_positions=None, stream=None,
+                  chain_from: VerifyContext | None = None) -> Launch | None:
+    """:func:`write` validated and packed; host arrays run on the reference now (returns None).
+    With ``chain_from`` the kernel takes each request's chain from that buffer when every link
+    checks out in parallel, instead of running the serial chain again; the stores are the same
+    either way (docs/format.md §7), so the host reference ignores it."""
     _check_args(ctx=ctx, plan=plan)
     _check_plan_device(ctx, plan)
+    if chain_from is not None:
+        instance("chain_from", chain_from, VerifyContext, "a kvcanary.VerifyContext",
+                 "pass the context of the group's buffer stamped first in the step, or None")
+        b, c = ctx.buffer, chain_from.buffer
+        if c is b or c.device != b.device or (c.num_slots, c.slot_stride) != (b.num_slots, b.slot_stride):
+            raise ValidationError(f"kv-canary: write(chain_from=) must be another buffer of the same shape on the "
+                                  f"same device, got {c.num_slots} x {c.slot_stride} bytes on device {c.device} "
+                                  f"for {b.num_slots} x {b.slot_stride} on device {b.device}"
+                                  f"{' (the same buffer)' if c is b else ''}. Fix: pass the context of the "
+                                  f"group's buffer stamped first in the step")
     tok = checked(input_ids, "input_ids", dtype=np.int64, ndim=1)
     T = tok.shape[0]
     pos = checked(positions, "positions", dtype=np.int64, shape=(T,), ndim=1)
@@ -225,6 +246,7 @@ def prepare_write(ctx: VerifyContext, plan: StepPlan, input_ids, positions, out_
     p.expected_input_ids = 0 if exp_tok is None else exp_tok.ptr
     p.expected_positions = 0 if exp_pos is None else exp_pos.ptr
     p.chain_position_assert = ctx.flag_view.ptr
+    p.chain_source = 0 if chain_from is None else chain_from.buffer.view.ptr
     rt = _runtime(ctx.device)
     s = streams.resolve(stream, (input_ids, ctx.buffer.array), views, ctx.device)
     grid = max(1, min(rt.resident_blocks("kvc_write", BLOCK), plan.max_batch))  # a block per request

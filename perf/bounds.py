@@ -162,14 +162,16 @@ class Bounds:
             self._chain[n] = self.timer.gpu_time(lambda s: self.probes.chain(n, s), repeat=15, flush=False)
         return self._chain[n]
 
-    def step(self, w, mode: str) -> tuple[float, str]:
+    def step(self, w, mode: str, chains: int = 2) -> tuple[float, str]:
         """(seconds, what) bounding one HEAD + TAIL step of ``w``: the bytes it must touch over the
-        copy bandwidth, or, for long extends, the two serial chains (HEAD and TAIL writes)."""
+        copy bandwidth, or, for long extends, the serial chains the step runs (``chains``: 2 for two
+        independent writes, 1 for the manager, whose later writes take the step's chain from HEAD)."""
         bound, name = w.step_bytes(mode) / self.copy_bandwidth, "bytes it must touch / copy bw"
         if w.extend > 1:
-            chain = 2 * self.chain(w.extend)
+            chain = chains * self.chain(w.extend)
             if chain > bound:
-                bound, name = chain, f"2 x serial mix3 chain x{w.extend}"
+                bound, name = chain, f"{chains} x serial mix3 chain x{w.extend}" if chains > 1 else \
+                    f"one serial mix3 chain x{w.extend}"
         return bound, name
 
     def verify_probe(self, w, mode: str, plan=None) -> tuple[float, dict[str, float]]:

@@ -206,7 +206,7 @@ class Workloads:
 DECODE_256 = (256, 4096, 1)
 DECODE_64 = (64, 4096, 1)
 STEP_SHAPES = {"decode-bs1": (1, 4096, 1), "decode-bs64": (64, 4096, 1), "decode-bs256": DECODE_256,
-               "prefill-32768": (1, 0, 32768)}
+               "prefill-32768": (1, 0, 32768), "prefill-8x4096": (8, 0, 4096)}
 
 
 def sglang_forward_batches(torch, b: dict, mode: str, n: int) -> list:

@@ -126,6 +126,18 @@ def test_write_argument_rules():
     with pytest.raises(ValueError, match=r"expected_input_ids and expected_positions go together"):
         kc.write(ctx, plan, ids, ids, ids, expected_input_ids=ids)
 
+    other = kc.VerifyContext(kc.CanaryBuffer.allocate(16), kc.ViolationSink.allocate(8))
+    assert kc.ops.prepare_write(ctx, plan, ids, ids, ids, chain_from=other) is None  # host: the reference ran
+    with pytest.raises(ValueError, match=r"^kv-canary: write\(chain_from=\) must be another buffer of the same shape "
+                                         r"on the same device, got 16 x 32 bytes on device None for 16 x 32 on device "
+                                         r"None \(the same buffer\)\. Fix: "):
+        kc.ops.prepare_write(ctx, plan, ids, ids, ids, chain_from=ctx)
+    small = kc.VerifyContext(kc.CanaryBuffer.allocate(8), kc.ViolationSink.allocate(8))
+    with pytest.raises(ValueError, match=r"got 8 x 32 bytes on device None for 16 x 32 on device None\. Fix: "):
+        kc.ops.prepare_write(ctx, plan, ids, ids, ids, chain_from=small)
+    with pytest.raises(ValidationTypeError, match=r"^kv-canary: chain_from must be a kvcanary.VerifyContext"):
+        kc.ops.prepare_write(ctx, plan, ids, ids, ids, chain_from=ctx.buffer)
+
 
 def test_batch_rules():
     plan = kc.StepPlan.allocate(2, 16)

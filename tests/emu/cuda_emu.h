@@ -74,6 +74,7 @@ struct Block {
   ucontext_t scheduler;
   int current = 0, live = 0, arrived = 0;
   unsigned gen = 0;
+  int vote = 1, vote_out[2] = {0, 0};  // __syncthreads_and: this barrier's AND, kept per generation parity
   std::vector<Warp> warps;
 };
 
@@ -121,7 +122,11 @@ inline void finish() {  // a thread returned from the kernel: it leaves its barr
   Warp& w = warp();
   block->fibers[block->current].done = true;
   if (--w.live > 0 && w.arrived >= w.live) { w.arrived = 0; ++w.gen; }
-  if (--block->live > 0 && block->arrived >= block->live) { block->arrived = 0; ++block->gen; }
+  if (--block->live > 0 && block->arrived >= block->live) {
+    block->vote_out[block->gen & 1] = block->vote;
+    block->arrived = 0;
+    ++block->gen;
+  }
 }
 
 // The order threads resume in changes every round (a seeded walk: start and stride coprime to
@@ -185,6 +190,17 @@ inline void launch(unsigned grid, unsigned threads, const std::function<void()>&
 }  // namespace emu
 
 inline void __syncthreads() { emu::arrive(emu::block->arrived, emu::block->live, emu::block->gen); }
+// The last thread to arrive publishes the AND before releasing the barrier; a thread cannot reach
+// the barrier after next (and overwrite this parity) before every thread has read it.
+inline int __syncthreads_and(int pred) {
+  emu::Block& b = *emu::block;
+  const unsigned g = b.gen;
+  if (b.arrived == 0) b.vote = 1;
+  b.vote &= pred != 0;
+  if (b.arrived + 1 >= b.live) b.vote_out[g & 1] = b.vote;
+  emu::arrive(b.arrived, b.live, b.gen);
+  return b.vote_out[g & 1];
+}
 inline void __syncwarp(unsigned = 0xffffffffu) {
   emu::Warp& w = emu::warp();
   emu::arrive(w.arrived, w.live, w.gen);

@@ -69,6 +69,80 @@ def test_write_verify_kernels_equal_reference(seed, page, mode, nsrc):
     assert ref["write_index"] > 0  # the workload does exercise the violation paths
 
 
+def _write_effects(w, B, canary, sources, mode, chain_from=None, head_change=None):
+    """One kvc_write of workload ``w`` into a copy of ``canary`` (int64 words [num_slots, 4]) on
+    backend ``B``: its buffer, ring rows and counters. ``chain_from``: ``(canary, change)`` of a
+    HEAD buffer stamped first without sources, ``change(words, w)`` applied to it before this write."""
+    def context(words, srcs, m, tag):
+        buf = kc.CanaryBuffer(B(words.view(np.uint8).copy()))
+        sink = kc.ViolationSink(B(np.zeros((w.ring_capacity, 8), np.int64)), B(np.zeros(1, np.int32)),
+                                B(np.zeros(1, np.int64)), B(np.zeros(1, np.int64)))
+        return kc.VerifyContext(buf, sink, tag, srcs, m, chain_position_assert=B(np.array([int(w.chain_assert)], np.int32)))
+
+    plan = kc.StepPlan(len(w.seed), 8, None)
+    plan.offsets, plan.seed, plan.num_valid_reqs = B(w.offsets), B(w.seed), B(np.array([w.num_valid_reqs], np.int32))
+    arrays = [B(a) for a in (w.input_ids, w.positions, w.out_cache_loc, w.expected_input_ids, w.expected_positions)]
+    head = None
+    if chain_from is not None:
+        head = context(canary, (), abi.HashMode.NONE, abi.LaunchTag.HEAD_K_FULL)
+        plan.device = head.device
+        kc.write(head, plan, *arrays[:3], expected_input_ids=arrays[3], expected_positions=arrays[4])
+        if head_change is not None:
+            words = to_host(head.buffer.array).view(np.int64).reshape(w.num_slots, -1).copy()
+            head_change(words, w)
+            head.buffer.array.copy_from_host(words.view(np.uint8)) if hasattr(head.buffer.array, "copy_from_host") \
+                else np.copyto(head.buffer.array, words.view(np.uint8))
+    ctx = context(canary, sources(B), mode, abi.LaunchTag.TAIL_K_FULL)
+    plan.device = ctx.device
+    kc.write(ctx, plan, *arrays[:3], expected_input_ids=arrays[3], expected_positions=arrays[4], chain_from=head)
+    arrs = ctx.sink.arrays
+    effects = {"ring": to_host(arrs[0]), "write_index": int(to_host(arrs[1])[0])}
+    return (to_host(ctx.buffer.array).copy(), workloads.ring_rows(effects), effects["write_index"],
+            int(to_host(arrs[2])[0]), int(to_host(arrs[3])[0]))
+
+
+def _change_some_head_records(words, w):
+    """Change a field of the HEAD records of a few written slots (between HEAD and TAIL)."""
+    rng = np.random.default_rng(9)
+    written = w.out_cache_loc[(w.out_cache_loc > 0) & (w.out_cache_loc < w.num_slots)]
+    for slot in rng.choice(written, 6, replace=False):
+        words[slot, int(rng.integers(0, 3))] ^= 1 << int(rng.integers(0, 63))
+
+
+@pytest.mark.parametrize("mode,nsrc", [(abi.HashMode.PARTIAL, 1), (abi.HashMode.ALL, 22), (abi.HashMode.PARTIAL, 64)])
+@pytest.mark.parametrize("change", [None, _change_some_head_records])
+def test_write_with_a_chain_source_equals_the_serial_write(mode, nsrc, change):
+    """The chain once per step (docs/format.md §7): a TAIL write that takes its chain from the HEAD
+    buffer stamped first ends byte for byte as the reference's serial write (buffer, ring rows,
+    counters): with HEAD's records as written, and with some changed before the TAIL write (those
+    requests run the serial chain). Seeds: chain heads, out of range, and slots whose (random)
+    records both buffers hold; requests of 1-3 and up to 300 entries with holes, repeated and
+    out-of-range slots, expected inputs with mismatches. 22 and 64 sources spread a decode
+    request's sources over a warp's lanes in the kernel."""
+    w = workloads.make(31, num_slots=4096, page_size=16, mode=mode, num_sources=nsrc, num_reqs=40, max_len=300)
+    rng = np.random.default_rng(5)
+    written = set(w.out_cache_loc.tolist())
+    spare = np.array([s for s in range(1, w.num_slots) if s not in written])
+    w.seed = rng.choice(spare, len(w.seed)).astype(np.int64)
+    w.seed[::5], w.seed[1::9] = -1, w.num_slots + 3
+    n = len(w.out_cache_loc)
+    w.out_cache_loc[rng.random(n) < 0.01] = w.num_slots + 1
+    rep = rng.random(n) < 0.02
+    rep[w.offsets[:-1][w.offsets[:-1] < n]] = False  # within a request (across requests: unspecified, §7)
+    w.out_cache_loc[rep] = np.roll(w.out_cache_loc, 1)[rep]  # a slot repeated by its successor
+    canary = rng.integers(-(1 << 62), 1 << 62, (w.num_slots, 4)).astype(np.int64)
+
+    def sources(B):
+        pools = [workloads.columns(B(big.copy()), col, w.page_size * b) for (big, col), b in zip(w.pools, w.bytes_per_token)]
+        return [kc.RealKvSource(q, w.page_size, b, r) for q, b, r in zip(pools, w.bytes_per_token, w.read_bytes)]
+
+    ref = _write_effects(w, host, canary, sources, mode)
+    got = _write_effects(w, to_dev, canary, sources, mode, chain_from=True, head_change=change)
+    np.testing.assert_array_equal(ref[0], got[0])
+    assert ref[1:] == got[1:]
+    assert ref[2] > 0  # the workload exercises the rows
+
+
 def test_long_chain_single_request():
     w = workloads.make(123, num_slots=40000, page_size=64, num_reqs=1, max_len=2, mode=abi.HashMode.ALL)
     n = 33000

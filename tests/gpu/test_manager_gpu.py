@@ -50,6 +50,45 @@ def test_session_on_gpu_equals_reference(swa, fault):
     dev.canary.health_check()
 
 
+class HeadRecordChanged(Session):
+    """A session whose forward also changes one field of the HEAD K record of one new token (entry
+    `entry` of step `at`) after before_forward: the record the later writes of the step (HEAD V,
+    TAIL K, TAIL V) take their chain from on the device (docs/format.md §7, the chain once per step)."""
+
+    def __init__(self, device=None, *, at, entry, field, **kw):
+        super().__init__(device, **kw)
+        self.at, self.entry, self.field = at, entry, field
+
+    def forward(self, arrays):
+        super().forward(arrays)
+        if self.step_no != self.at:
+            return
+        arr = self.canary.ctx[("HEAD", "FULL", "K", "write")].buffer.array
+        host = arr if isinstance(arr, np.ndarray) else arr.numpy()
+        words = host.view(np.int64).reshape(host.shape[0], -1)
+        words[int(arrays["loc"][self.entry]), self.field] ^= 0x10
+        if not isinstance(arr, np.ndarray):
+            arr.copy_from_host(host)
+
+
+@pytest.mark.emulated
+@pytest.mark.parametrize("at,entry", [(0, 0), (0, 5), (0, 11), (1, 1), (3, 1)])
+@pytest.mark.parametrize("field", [kc.abi.FIELD_TOKEN, kc.abi.FIELD_POSITION, kc.abi.FIELD_PREV_HASH])
+def test_a_head_record_changed_before_tail_is_not_copied_into_tail(at, entry, field):
+    """TAIL takes the step's chain from HEAD K only when every link checks out: a HEAD K record
+    changed between HEAD and TAIL (first, middle, last entry of a prefill; a decode entry) leaves
+    TAIL K and V as the serial chain makes them (the reference); a changed position or chain is reported."""
+    host = HeadRecordChanged(at=at, entry=entry, field=field, chain_position_assert=True)
+    dev = HeadRecordChanged(0, at=at, entry=entry, field=field, chain_position_assert=True)
+    recs = host.script()
+    assert key(recs) == key(dev.script())
+    if field != kc.abi.FIELD_TOKEN:  # a token changed at a request's last entry is what its successor chains on
+        assert any(r["launch_tag"] == "HEAD_K_FULL" for r in recs if r["type"] == "violation")
+    hb, db = buffers(host.canary), buffers(dev.canary)
+    for name in hb:
+        np.testing.assert_array_equal(hb[name], db[name], err_msg=str(name))
+
+
 def ring_rows(canary):
     ring = canary._ring if isinstance(canary._ring, np.ndarray) else canary._ring.numpy()
     claim = int((canary.status if isinstance(canary.status, np.ndarray) else canary.status.numpy())[kc.abi.STATUS_CLAIM])
