@@ -6,8 +6,6 @@
 #pragma once
 #include "kvcanary_abi.cuh"
 
-#define KVC_FULL_MASK 0xffffffffu
-
 __device__ __forceinline__ uint64_t kvc_sm(uint64_t x) {
   x ^= x >> KVC_SM_SHIFT1;
   x *= KVC_SM_MUL1;
@@ -32,18 +30,18 @@ __device__ __forceinline__ const ulonglong2* kvc_strip(const KvcSourceDesc& s, l
 }
 
 // Fingerprint of one source strip: h = sm(h ^ w) over little-endian 64-bit words, 16-byte loads,
-// eight loads (128 bytes) in flight before the first fold.
+// KVC_STRIP_BATCH loads (128 bytes) in flight before the first fold.
 __device__ __forceinline__ uint64_t kvc_fold_strip(const KvcSourceDesc& s, long long slot) {
   const ulonglong2* p = kvc_strip(s, slot);
   const int n = s.hash_bytes / KVC_STRIP_PIECE_BYTES;
   uint64_t h = 0;
   int i = 0;
-  for (; i + 8 <= n; i += 8) {
-    ulonglong2 v[8];
+  for (; i + KVC_STRIP_BATCH <= n; i += KVC_STRIP_BATCH) {
+    ulonglong2 v[KVC_STRIP_BATCH];
 #pragma unroll
-    for (int k = 0; k < 8; ++k) v[k] = __ldg(p + i + k);
+    for (int k = 0; k < KVC_STRIP_BATCH; ++k) v[k] = __ldg(p + i + k);
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
+    for (int k = 0; k < KVC_STRIP_BATCH; ++k) {
       h = kvc_sm(h ^ v[k].x);
       h = kvc_sm(h ^ v[k].y);
     }
@@ -86,7 +84,7 @@ template <class P>
 __device__ __noinline__ void kvc_record(const P& p, long long slot, long long position,
                                         long long stored_token, long long expected_token,
                                         uint64_t stored_chain, uint64_t expected_aux, long long bits) {
-  long long i, at = -1;
+  long long i, at = KVC_NO_RING_ROW;
   if (p.ring_claim != 0) {
     i = (long long)atomicAdd(p.ring_claim, 1ULL);
     const long long consumed = p.ring_consumed != 0 ? *p.ring_consumed : 0;
@@ -109,9 +107,9 @@ __device__ __noinline__ void kvc_record(const P& p, long long slot, long long po
   __threadfence_system();
 }
 
-// A BATCH_INDEX_OUT_OF_RANGE row (abi.BatchField names the columns): slot -1 unless the value
-// names one, the request's index in the batch (-1 for the flat token arrays), the value read,
-// the field, the bound it broke.
+// A BATCH_INDEX_OUT_OF_RANGE row (abi.BatchField names the columns): slot KVC_NO_SLOT unless the
+// value names one, the request's index in the batch (KVC_NO_REQUEST for the flat token arrays),
+// the value read, the field, the bound it broke.
 template <class P>
 __device__ __forceinline__ void kvc_record_batch(const P& p, long long slot, long long request, long long field,
                                                  long long value, long long bound) {

@@ -4,11 +4,13 @@
 #pragma once
 #include "common.cuh"
 
-#define KVC_WIDE_PIECES 8     // 16-byte pieces of each strip staged per round: a 128-byte line
-#define KVC_WIDE_DEPTH 2      // rounds in flight per warp (the waits in kvc_fingerprint_warp assume 2)
+// KVC_WIDE_PIECES 16-byte pieces of each strip staged per round (a 128-byte line), KVC_WIDE_DEPTH
+// rounds in flight per warp (abi.py); a copy instruction of a warp stages STRIPS_PER_LOAD strips.
 #define KVC_WIDE_STRIPS_PER_LOAD (32 / KVC_WIDE_PIECES)
 #define KVC_WIDE_LOADS (32 / KVC_WIDE_STRIPS_PER_LOAD)
+static_assert(32 % KVC_WIDE_PIECES == 0, "a warp's lanes split evenly over the pieces of a round");
 static_assert(KVC_WIDE_DEPTH == 2, "kvc_fingerprint_warp waits for all but the one newer round");
+static_assert((long long)sizeof(ulonglong2) == KVC_STRIP_PIECE_BYTES, "a strip piece is one 16-byte vector load");
 
 // One warp's staging area: KVC_WIDE_DEPTH rounds in flight, a row of pieces per lane's strip (+1
 // piece so rows start in other banks).
@@ -28,7 +30,9 @@ __device__ __forceinline__ void kvc_copy_wait() {}
 #else
 __device__ __forceinline__ void kvc_copy16_async(ulonglong2* dst, const ulonglong2* src, bool valid) {
   const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0) : "memory");
+  // cp-size 16 (the one size of .cg): a whole piece; src-size 0 zero-fills it
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src),
+               "r"(valid ? (int)sizeof(ulonglong2) : 0) : "memory");
 }
 __device__ __forceinline__ void kvc_copy_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
@@ -87,12 +91,17 @@ __device__ __forceinline__ uint64_t kvc_fingerprint_many(const P& p, long long s
 // it. A warp holding few slots of many sources (a decode step stamped over every layer) spreads each
 // slot's sources over its lanes: lane l folds sources l, l + 32, ..., one memory round trip for all
 // of them, and the slot's lane folds the per-source values in source order (§3). Otherwise each
-// lane fingerprints its own slot, the sources' first loads batched (kvc_fingerprint_many).
+// lane fingerprints its own slot: short strips of many sources with their first loads batched
+// (kvc_fingerprint_many), else source by source with eight loads of a strip in flight.
 template <class P>
 __device__ __forceinline__ uint64_t kvc_fingerprint_lanes(const P& p, long long slot, bool own) {
   const unsigned mask = __ballot_sync(KVC_FULL_MASK, own);
   const int per_slot = (p.num_sources + 31) / 32, batches = (p.num_sources + KVC_SOURCE_BATCH - 1) / KVC_SOURCE_BATCH;
-  if (__popc(mask) * per_slot >= batches) return own ? kvc_fingerprint_many(p, slot) : 0;
+  if (__popc(mask) * per_slot >= batches) {
+    if (!own) return 0;
+    const bool short_strips = p.num_sources >= KVC_MANY_SOURCES && p.sources[0].hash_bytes <= KVC_STRIP_PIECE_BYTES;
+    return short_strips ? kvc_fingerprint_many(p, slot) : kvc_fingerprint(p, slot);
+  }
   const int lane = threadIdx.x & 31;
   uint64_t mine = 0;
   for (int owner = 0; owner < 32; ++owner) {

@@ -36,12 +36,12 @@ __device__ __forceinline__ long long kvc_block_scan(long long v, long long* warp
 // KVC_CHAIN_HEAD. Reports what it rejects.
 __device__ __forceinline__ long long kvc_prepare_request(const KvcPrepareParams& p, long long r, const KvcRequest& q) {
   if (q.field != 0) {
-    kvc_record_batch(p, -1, r, q.field, q.value, q.bound);
+    kvc_record_batch(p, KVC_NO_SLOT, r, q.field, q.value, q.bound);
     return KVC_SEED_INVALID + q.field;
   }
   if (q.row == 0 && r + 1 < p.batch_size) {
     const long long next = p.req_pool_indices[r + 1];
-    if (next != 0) kvc_record_batch(p, -1, r, KVC_BATCH_PADDING_ORDER, 0, next);
+    if (next != 0) kvc_record_batch(p, KVC_NO_SLOT, r, KVC_BATCH_PADDING_ORDER, 0, next);
   }
   if (!q.ok || q.prefix == 0 || q.tokens == 0) return KVC_CHAIN_HEAD;
   const long long seed = kvc_map_slot(p, kvc_rtt(p, q.row, q.prefix - 1));
@@ -87,10 +87,10 @@ extern "C" __global__ void __launch_bounds__(KVC_PREPARE_THREADS) kvc_prepare(co
   __syncthreads();
   if (threadIdx.x == 0) {
     if (p.out_cache_loc != 0 && tokens_before > p.num_tokens)
-      kvc_record_batch(p, -1, -1, KVC_BATCH_TOKENS_SHORT, tokens_before, p.num_tokens);
+      kvc_record_batch(p, KVC_NO_SLOT, KVC_NO_REQUEST, KVC_BATCH_TOKENS_SHORT, tokens_before, p.num_tokens);
     if (first_unowned != ~0ULL) {
       const long long i = (long long)first_unowned;
-      kvc_record_batch(p, p.out_cache_loc[i], -1, KVC_BATCH_TOKENS_UNOWNED, i, tokens_before);
+      kvc_record_batch(p, p.out_cache_loc[i], KVC_NO_REQUEST, KVC_BATCH_TOKENS_UNOWNED, i, tokens_before);
     }
     p.entry_offsets[0] = 0;
     p.write_offsets[0] = 0;

@@ -34,13 +34,17 @@ struct KvcRecord {
 template <class P>
 __device__ __forceinline__ KvcRecord kvc_load_record(const P& p, long long slot, bool vec) {
   const long long* f = kvc_slot(p, slot);
-  long long w[4];
-  if (vec) {
-    const longlong2 a = __ldg(reinterpret_cast<const longlong2*>(f)), b = __ldg(reinterpret_cast<const longlong2*>(f) + 1);
-    w[0] = a.x; w[1] = a.y; w[2] = b.x; w[3] = b.y;
+  long long w[KVC_FIELDS_PER_SLOT];
+  if (vec) {  // the record's words two at a time, in 16-byte loads
+#pragma unroll
+    for (int k = 0; k < KVC_FIELDS_PER_SLOT / 2; ++k) {
+      const longlong2 a = __ldg(reinterpret_cast<const longlong2*>(f) + k);
+      w[2 * k] = a.x;
+      w[2 * k + 1] = a.y;
+    }
   } else {
 #pragma unroll
-    for (int k = 0; k < 4; ++k) w[k] = __ldg(f + k);
+    for (int k = 0; k < KVC_FIELDS_PER_SLOT; ++k) w[k] = __ldg(f + k);
   }
   return {w[KVC_FIELD_TOKEN], w[KVC_FIELD_POSITION], (uint64_t)w[KVC_FIELD_PREV_HASH], (uint64_t)w[KVC_FIELD_REAL_KV_HASH]};
 }
@@ -60,7 +64,7 @@ __device__ __noinline__ void kvc_self_test(const P& p, unsigned long long run) {
 }
 
 // Launch prologue (§6 step 1): count the launch (and run the self-test when this run is due);
-// the number of active entries, or -1 when the plan is disabled.
+// the number of active entries, or KVC_PLAN_DISABLED (negative) when the plan is disabled.
 template <class P>
 __device__ __forceinline__ long long kvc_verify_begin(const P& p, const int* enable, const int* num_valid,
                                                       long long capacity) {
@@ -70,7 +74,7 @@ __device__ __forceinline__ long long kvc_verify_begin(const P& p, const int* ena
     if (p.self_test != 0 && p.self_test_every > 0 && run % (unsigned long long)p.self_test_every == 0ULL)
       kvc_self_test(p, run);
   }
-  if (*enable == 0) return -1;
+  if (*enable == 0) return KVC_PLAN_DISABLED;
   const long long active = kvc_clamp(*num_valid, 0, capacity);
   if (first) atomicAdd(p.slot_run_counter, (unsigned long long)active);
   return active;
@@ -94,6 +98,7 @@ __device__ __forceinline__ T kvc_from_prev_entry(const T* x, int v) {
 // ones verified; `nb_prev[v]`: the entry held before v is its predecessor slot, so that entry's
 // chain value is used instead of loading the record again. Predecessors follow the plan's
 // values (§8): -1 a chain head, 0 not checked, KVC_PREV_ON_PADDING not checked and reported.
+// `fp[v]`: entry v's real KV is fingerprinted and compared (the fingerprint budget, §6.1).
 // Every lane of the warp must call it (shuffles).
 // How a verify kernel fingerprints: one source's strips per lane (narrow), many sources batched per
 // lane (many), or a warp's strips fetched together (wide).
@@ -102,8 +107,9 @@ enum KvcFold { KVC_FOLD_NARROW, KVC_FOLD_MANY, KVC_FOLD_WIDE };
 template <int VT, int FOLD, class P>
 __device__ __forceinline__ void kvc_verify_tile(const P& p, const long long* slot, const long long* prev,
                                                 const long long* etok, const long long* epos, const bool* held,
-                                                const bool* live, const bool* nb_prev, bool check, KvcWideStage* stage) {
-  const bool vec = (p.slot_stride_words & 1) == 0 && ((unsigned long long)p.canary & 15) == 0;
+                                                const bool* live, const bool* nb_prev, const bool* fp, bool check,
+                                                KvcWideStage* stage) {
+  const bool vec = (p.slot_stride_words & 1) == 0 && (unsigned long long)p.canary % sizeof(longlong2) == 0;
   bool own[VT], direct[VT];  // loads this entry's record; loads the predecessor's record itself
 #pragma unroll
   for (int v = 0; v < VT; ++v) {
@@ -125,9 +131,10 @@ __device__ __forceinline__ void kvc_verify_tile(const P& p, const long long* slo
   uint64_t rkv[VT];
 #pragma unroll
   for (int v = 0; v < VT; ++v) {
-    if (FOLD == KVC_FOLD_WIDE) rkv[v] = kvc_fingerprint_warp(p, slot[v], own[v] && live[v], stage[threadIdx.x >> 5]);
-    else if (FOLD == KVC_FOLD_MANY) rkv[v] = own[v] && live[v] ? kvc_fingerprint_many(p, slot[v]) : 0;
-    else rkv[v] = own[v] && live[v] ? kvc_fingerprint_narrow(p, slot[v]) : 0;
+    const bool hashed = own[v] && live[v] && fp[v];
+    if (FOLD == KVC_FOLD_WIDE) rkv[v] = kvc_fingerprint_warp(p, slot[v], hashed, stage[threadIdx.x >> 5]);
+    else if (FOLD == KVC_FOLD_MANY) rkv[v] = hashed ? kvc_fingerprint_many(p, slot[v]) : 0;
+    else rkv[v] = hashed ? kvc_fingerprint_narrow(p, slot[v]) : 0;
   }
   uint64_t succ[VT];  // the chain value a successor of this lane's slot expects
 #pragma unroll
@@ -159,7 +166,7 @@ __device__ __forceinline__ void kvc_verify_tile(const P& p, const long long* slo
     }
     if (r.prev_hash != expected_chain) bits |= KVC_VERIFY_CHAIN_HASH_MISMATCH;
     if (r.position != epos[v]) bits |= KVC_VERIFY_POSITION_MISMATCH;
-    if (r.real_kv_hash != rkv[v]) bits |= KVC_VERIFY_REAL_KV_HASH_MISMATCH;
+    if (fp[v] && r.real_kv_hash != rkv[v]) bits |= KVC_VERIFY_REAL_KV_HASH_MISMATCH;
     if (check && etok[v] != KVC_NO_EXPECTED_TOKEN && r.token != etok[v]) bits |= KVC_VERIFY_TOKEN_MISMATCH;
     if (bits)
       kvc_record(p, slot[v], r.position, r.token, check ? etok[v] : KVC_NO_EXPECTED_TOKEN, r.prev_hash,
@@ -220,11 +227,12 @@ __device__ __forceinline__ void kvc_verify_plan(const KvcVerifyParams& p, KvcWid
   const KvcTiles<VT> t;
   for (long long first = t.first; first < active; first += t.step) {
     long long slot[VT], prev[VT], etok[VT], epos[VT];
-    bool held[VT], live[VT], nb_prev[VT];
+    bool held[VT], live[VT], nb_prev[VT], fp[VT];
 #pragma unroll
     for (int v = 0; v < VT; ++v) {
       const int i = v * 32 + lane;
       const long long e = first - 1 + i;
+      fp[v] = true;  // a materialised plan has no budget (ops.verify refuses one)
       held[v] = e >= 0 && e < active;
       live[v] = held[v] && i > 0;
       const long long at = held[v] ? e : first;
@@ -238,7 +246,7 @@ __device__ __forceinline__ void kvc_verify_plan(const KvcVerifyParams& p, KvcWid
       const long long nb = kvc_from_prev_entry<VT>(slot, v);
       nb_prev[v] = live[v] && first - 2 + v * 32 + lane >= 0 && nb == prev[v];
     }
-    kvc_verify_tile<VT, FOLD>(p, slot, prev, etok, epos, held, live, nb_prev, check, stage);
+    kvc_verify_tile<VT, FOLD>(p, slot, prev, etok, epos, held, live, nb_prev, fp, check, stage);
   }
 }
 
@@ -250,7 +258,7 @@ __device__ __forceinline__ void kvc_check_entry_counts(const B& p) {
   for (long long r = threadIdx.x; r < p.batch_size; r += blockDim.x) {
     const KvcRequest q = kvc_request(p, r);
     const long long planned = p.entry_offsets[r + 1] - p.entry_offsets[r];
-    if (planned != q.n) kvc_record_batch(p, -1, r, KVC_BATCH_ENTRY_COUNT, planned, q.n);
+    if (planned != q.n) kvc_record_batch(p, KVC_NO_SLOT, r, KVC_BATCH_ENTRY_COUNT, planned, q.n);
   }
 }
 
@@ -265,6 +273,11 @@ __device__ __forceinline__ void kvc_verify_fused(const KvcFusedVerifyParams& p, 
   }
   kvc_check_entry_counts(p);
   const bool check = p.check_expected_token != 0;
+  // The fingerprint budget (§6.1): with every = N > 1, an entry's real KV is checked when its
+  // position is the phase mod N (phase: the counter's value mod N, the same in every thread: the
+  // counter is advanced by an earlier launch) or one of its request's last N verified positions.
+  const unsigned every = p.fingerprint_every > 1 ? (unsigned)p.fingerprint_every : 1u;
+  const unsigned phase = every > 1 && p.fingerprint_phase != 0 ? (unsigned)(*p.fingerprint_phase % every) : 0u;
   const int lane = threadIdx.x & 31;
   constexpr int kVerified = KvcTiles<VT>::kVerified;
   const KvcTiles<VT> t;
@@ -276,7 +289,7 @@ __device__ __forceinline__ void kvc_verify_fused(const KvcFusedVerifyParams& p, 
     if (r_last < r_first) r_last = r_first;  // offsets that decrease (device garbage): search them all
     const KvcFusedReq q_first = kvc_fused_req(p, r_first);
     long long slot[VT], prev[VT], etok[VT], epos[VT];
-    bool held[VT], live[VT], inner[VT];
+    bool held[VT], live[VT], inner[VT], fp[VT];
 #pragma unroll
     for (int v = 0; v < VT; ++v) {  // every index load of the tile first
       const int i = v * 32 + lane;
@@ -301,6 +314,8 @@ __device__ __forceinline__ void kvc_verify_fused(const KvcFusedVerifyParams& p, 
       if (live[v] && !inner[v] && pos > 0) prev[v] = kvc_map_slot(p, (long long)q.rtt_row[pos - 1]);
       etok[v] = live[v] ? kvc_expected_token(p, r, q.row, pos) : KVC_NO_EXPECTED_TOKEN;
       epos[v] = pos;
+      // pos < rtt_max_len (an int) for a live entry: the 32-bit remainder is exact
+      fp[v] = every == 1 || (unsigned)pos % every == phase || pos + (long long)every >= q.lo + q.n;
     }
 #pragma unroll
     for (int v = 0; v < VT; ++v) {
@@ -309,7 +324,7 @@ __device__ __forceinline__ void kvc_verify_fused(const KvcFusedVerifyParams& p, 
       if (prev[v] == KVC_PREV_ON_PADDING) prev[v] = KVC_SWA_UNMAPPED;  // a map value colliding with the marker
       if (inner[v] && prev[v] == KVC_PADDING_SLOT) prev[v] = KVC_PREV_ON_PADDING;
     }
-    kvc_verify_tile<VT, FOLD>(p, slot, prev, etok, epos, held, live, inner, check, stage);
+    kvc_verify_tile<VT, FOLD>(p, slot, prev, etok, epos, held, live, inner, fp, check, stage);
   }
   kvc_warp_count(p.skip_counter, skipped);
 }

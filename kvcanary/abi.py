@@ -58,10 +58,18 @@ SOURCE_BATCH = 8             # sources whose first pieces a *_many verify loads 
 MANY_VERIFY_MIN_BLOCKS = 2   # blocks per SM the *_many verifies are compiled for (the batch's registers)
 WIDE_HASH_BYTES = 64         # a source fingerprinting this many bytes per slot selects the *_wide verifies
 STRIP_PIECE_BYTES = 16       # fingerprints load strips in 16-byte pieces (hash_bytes is a multiple)
+STRIP_BATCH = 8              # pieces of one strip kvc_fold_strip loads before folding any (128 bytes in flight)
+WIDE_PIECES = 8              # pieces of each strip a *_wide verify stages per round: a 128-byte line
+WIDE_DEPTH = 2               # rounds in flight per warp of a *_wide verify (kvc_fingerprint_warp's waits assume 2)
+FULL_MASK = 0xFFFFFFFF       # every lane of a warp (CUDA's 32): the mask of the *_sync warp intrinsics
 NO_EXPECTED_TOKEN = -1
 CHAIN_HEAD = -1
 SWA_UNMAPPED = -2            # a full-pool slot outside the full->SWA map (never a valid SWA slot)
 PREV_ON_PADDING = -3         # plan prev_slot: a required predecessor is the padding slot 0 (reported)
+NO_SLOT = -1                 # SLOT_IDX of a BATCH_INDEX_OUT_OF_RANGE row whose value names no slot
+NO_REQUEST = -1              # POSITION of a BATCH_INDEX_OUT_OF_RANGE row of a TOKENS_* field (no one request)
+NO_RING_ROW = -1             # device-internal: kvc_record's ring index of a row not kept (its claim still counts)
+PLAN_DISABLED = -1           # device-internal: kvc_verify_begin's entry count of a disabled plan (any negative)
 SEED_INVALID = -(1 << 63)    # WritePlan.seed of a request the plan builder rejected: + BatchField code
 INT32_MASK = 0xFFFFFFFF      # the low int32 of an int64 status cell (little-endian)
 FAIL_BITS_MASK = 0x7FFFFFFF  # FAIL_REASON_BITS holds reason bits in a non-negative int32
@@ -235,6 +243,10 @@ _VERIFY_TAIL = (
     _F("check_expected_token", "i32"),
     _F("self_test_every", "i32"),                  # 0 = off
     _F("self_test", "ptr:const long long"),        # the canary-only known-bad record (FIELDS_PER_SLOT words)
+    # the fingerprint budget (docs/format.md §6.1; fused verify only): 1 = every entry
+    _F("fingerprint_every", "i32"),
+    _F("_pad1", "i32"),
+    _F("fingerprint_phase", "ptr:const unsigned long long"),  # 0 = phase 0
 )
 
 VERIFY_PARAMS = StructDecl("KvcVerifyParams", COMMON + (
@@ -445,6 +457,9 @@ def constants() -> dict[str, int]:
         "KVC_VERIFY_MIN_BLOCKS": VERIFY_MIN_BLOCKS, "KVC_MANY_SOURCES": MANY_SOURCES,
         "KVC_SOURCE_BATCH": SOURCE_BATCH, "KVC_MANY_VERIFY_MIN_BLOCKS": MANY_VERIFY_MIN_BLOCKS,
         "KVC_WIDE_HASH_BYTES": WIDE_HASH_BYTES, "KVC_STRIP_PIECE_BYTES": STRIP_PIECE_BYTES,
+        "KVC_STRIP_BATCH": STRIP_BATCH, "KVC_WIDE_PIECES": WIDE_PIECES, "KVC_WIDE_DEPTH": WIDE_DEPTH,
+        "KVC_FULL_MASK": FULL_MASK, "KVC_NO_SLOT": NO_SLOT, "KVC_NO_REQUEST": NO_REQUEST,
+        "KVC_NO_RING_ROW": NO_RING_ROW, "KVC_PLAN_DISABLED": PLAN_DISABLED,
         "KVC_SWA_UNMAPPED": SWA_UNMAPPED, "KVC_PREV_ON_PADDING": PREV_ON_PADDING,
         "KVC_SEED_INVALID": SEED_INVALID, "KVC_INT32_MASK": INT32_MASK, "KVC_FAIL_BITS_MASK": FAIL_BITS_MASK,
         "KVC_MAX_REQUEST_TOKENS": MAX_REQUEST_TOKENS, "KVC_MAX_RECORD_BUFFERS": MAX_RECORD_BUFFERS,
@@ -462,7 +477,17 @@ def constants() -> dict[str, int]:
     return out
 
 
-def _c_literal(value: int) -> str:
+# Constants the kernels use in 32-bit int arithmetic (loop bounds and strides over int counters,
+# shared-memory array extents, template arguments): emitted as int, so that code stays 32-bit.
+# Every other constant is a long long (unsigned long long past INT64_MAX).
+INT_CONSTANTS = frozenset({"KVC_STRIP_BATCH", "KVC_WIDE_PIECES", "KVC_WIDE_DEPTH"})
+
+
+def _c_literal(value: int, name: str = "") -> str:
+    if name in INT_CONSTANTS:
+        if not -(1 << 31) <= value < (1 << 31):
+            raise AssertionError(f"kv-canary: ABI constant {name} = {value} does not fit an int")
+        return f"((int){value}LL)"
     if value > 0x7FFFFFFFFFFFFFFF:
         return f"((unsigned long long){value}ULL)"
     if value == -(1 << 63):  # no such literal in C: -9223372036854775808LL overflows
@@ -502,7 +527,7 @@ def render_prelude(structs: tuple[StructDecl, ...] = STRUCTS,
         "",
     ]
     for name, value in constants().items():
-        lines.append(f"#define {name} {_c_literal(value)}")
+        lines.append(f"#define {name} {_c_literal(value, name)}")
     lines.append("")
     for decl in structs:
         expected = (offsets or {}).get(decl.name, layout(decl))

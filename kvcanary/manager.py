@@ -99,7 +99,7 @@ class KvCanary:
                  verify_capacity: int = 1 << 20, ring_capacity: int = abi.DEFAULT_RING_CAPACITY,
                  sweep_capacity: int = 1 << 16, check_expected_token: bool = False,
                  chain_position_assert: bool = False, fused: bool = True, stats_every: int = 0,
-                 self_test_every: int = 0, export=None):
+                 self_test_every: int = 0, fingerprint_every: int = 1, export=None):
         mode_hash = parse_hash_mode(hash_mode)
         for name, g in (("full", full), ("swa", swa)):
             if g is not None or name == "full":
@@ -121,6 +121,11 @@ class KvCanary:
         integer("stats_every", stats_every, lo=0)
         integer("self_test_every", self_test_every, lo=0, hi=INT32_MAX,
                 fix="pass 0 (off) or the number of steps between self-tests, e.g. 1000")
+        integer("fingerprint_every", fingerprint_every, lo=1, hi=INT32_MAX,
+                fix="pass 1 (every cached token's KV every step) or N (a rotating 1/N per step, e.g. 8)")
+        if fingerprint_every > 1 and not fused:
+            raise ValidationError(f"kv-canary: fingerprint_every={fingerprint_every} needs the fused verify, got "
+                                  f"fused=False. Fix: pass fused=True (the default), or fingerprint_every=1")
         self.check_expected_token = boolean("check_expected_token", check_expected_token)
         self.fused, self.stats_every = boolean("fused", fused), stats_every
         boolean("chain_position_assert", chain_position_assert)
@@ -144,6 +149,10 @@ class KvCanary:
         buffers = {(st, g, h): CanaryBuffer.allocate(grp.num_slots, device=device)
                    for g, grp in self.groups.items() for h in grp.resolved_halves() for st in STAGES}
         self.ctx: dict[Key, VerifyContext] = {}
+        # the fingerprint budget's phase (docs/format.md §6.1): the run count of the HEAD verify of
+        # the same group and half, which this step's HEAD stage advanced before TAIL reads it
+        phase = {(k.group, k.half): be.cells(self.status, lay.runs(i)) for i, k in enumerate(self.keys)
+                 if k.stage == "HEAD" and k.op == "verify"}
         for i, key in enumerate(self.keys):
             sink = ViolationSink(self._ring, be.cells(self.status, abi.STATUS_CLAIM, dtype=np.int32),
                                  be.cells(self.status, lay.runs(i)), be.cells(self.status, lay.runs(i) + 1),
@@ -155,7 +164,10 @@ class KvCanary:
             self.ctx[key] = VerifyContext(buffers["HEAD" if head else "TAIL", key.group, key.half], sink,
                                           abi.LaunchTag[f"{key.stage}_{key.half}_{key.group}"], sources,
                                           abi.HashMode.NONE if head else mode_hash, chain_position_assert=flag,
-                                          self_test_every=self_test_every if key == tested else 0)
+                                          self_test_every=self_test_every if key == tested else 0,
+                                          **(dict(fingerprint_every=fingerprint_every,
+                                                  fingerprint_phase=phase[key.group, key.half])
+                                             if key.stage == "TAIL" and key.op == "verify" else {}))
         if chain_position_assert:
             next(iter(self.ctx.values())).set_chain_position_assert(True)
         self.plans: dict[str, StepPlan] = {}

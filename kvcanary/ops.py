@@ -64,12 +64,17 @@ def _verify_shape(rt, name: str, capacity: int, hash_bytes: tuple[int, ...]) -> 
     """(kernel, grid, block) of a verify launch: the warp-cooperative *_wide variant when a source
     fingerprints KVC_WIDE_HASH_BYTES or more, the *_many variant for MANY_SOURCES or more short
     strips (their loads batched), and at most one resident wave of blocks (the
-    driver's occupancy for the kernel), never more blocks than the plan capacity has tiles."""
+    driver's occupancy for the kernel), never more blocks than the plan capacity has tiles.
+    A plan of few tiles gets blocks of fewer warps, so that its warps spread over the SMs (a block
+    runs on one SM: 66 tiles of a decode bs 1 x 4096 in blocks of 8 warps kept 9 SMs busy, and with
+    every layer's sources the folds made that 45 us)."""
     wide = any(h >= abi.WIDE_HASH_BYTES for h in hash_bytes)
     if wide:
         name, block, tile = f"{name}_wide", abi.WIDE_VERIFY_THREADS, _block_entries(abi.WIDE_VERIFY_THREADS, 1)
     else:
-        block, tile = BLOCK, _block_entries(BLOCK, abi.VERIFY_LANE_ENTRIES)
+        tiles = -(-capacity // _block_entries(32, abi.VERIFY_LANE_ENTRIES))
+        block = 32 * min(BLOCK // 32, max(1, -(-tiles // rt.sm_count)))
+        tile = _block_entries(block, abi.VERIFY_LANE_ENTRIES)
         if len(hash_bytes) >= abi.MANY_SOURCES:
             name = f"{name}_many"
     return name, max(1, min(rt.resident_blocks(name, block), -(-capacity // tile))), block
@@ -150,6 +155,11 @@ def prepare_verify(ctx: VerifyContext, plan: StepPlan, *, check_expected_token: 
         raise ValidationError("kv-canary: verify() needs a materialised plan, got one without "
                               "entry arrays. Fix: StepPlan.allocate(..., materialize=True), or use "
                               "fused_verify()")
+    if ctx.fingerprint_every > 1:
+        raise ValidationError(f"kv-canary: verify() fingerprints every entry of a materialised plan, got a "
+                              f"context with fingerprint_every={ctx.fingerprint_every} (a budget needs each "
+                              f"request's positions, which only the batch has). Fix: use fused_verify(), or "
+                              f"a context with fingerprint_every=1")
     views = plan.entry_views()
     num_valid, enable = plan.flag_views()
     if ctx.device is None:
@@ -390,7 +400,8 @@ def prepare_fused_verify(ctx: VerifyContext, batch: Batch, plan: StepPlan, *, sw
             canary=ctx.buffer.view.host, q=q, entry_offsets=plan.entry_offsets, num_valid=num_valid.host,
             enable=enable.host, capacity=plan.verify_capacity, req_to_token=rtt, sources=_ref_sources(ctx),
             tag=int(ctx.tag), check_expected_token=check, swa_map=h("swa_map"), expected_pool=h("expected_pool"),
-            expected_valid_lens=h("expected_valid_lens"), expected_token_offset=batch.expected_token_offset)
+            expected_valid_lens=h("expected_valid_lens"), expected_token_offset=batch.expected_token_offset,
+            fingerprint_every=ctx.fingerprint_every, fingerprint_phase=ctx.phase())
         s = ctx.sink
         s.kernel_run_view.host[0] += 1
         _report(s)(reference.self_test_rows(run=int(s.kernel_run_view.host[0]), num_slots=ctx.buffer.num_slots,

@@ -182,7 +182,7 @@ def verify(*, canary, slot, expected_token, expected_position, prev_slot, num_va
 
 
 def check_entries(canary, slot, prev_slot, expected_token, expected_position, sources: Sequence[RefSource],
-                  tag, check_expected_token) -> np.ndarray:
+                  tag, check_expected_token, fingerprinted=None) -> np.ndarray:
     """The rows the checks of docs/format.md §6 step 3 give for plan entries, in entry order.
 
     An entry on slot 0 gives a PADDING_SLOT_READ row, one on a slot outside the buffer a
@@ -190,6 +190,7 @@ def check_entries(canary, slot, prev_slot, expected_token, expected_position, so
     head (expects sm(ANCHOR)); 0 is not checked; PREV_ON_PADDING (a required predecessor on the
     padding slot) is not checked and sets PADDING_SLOT_READ; any other value outside the buffer
     sets CHAIN | SLOT_OUT_OF_RANGE with expected chain 0; else the chain is slot_hash(prev).
+    ``fingerprinted`` (bool per entry, None = all): the entries whose real KV is checked.
     """
     words = _words(canary)
     n, active = words.shape[0], len(slot)
@@ -210,10 +211,11 @@ def check_entries(canary, slot, prev_slot, expected_token, expected_position, so
     bits |= np.where(p == PREV_ON_PADDING, _PADDING, 0)
     bits |= np.where(pos != epos, _POSITION, 0)
     fp = np.zeros(active, dtype=np.int64)
-    idx = np.flatnonzero(in_range)
+    hashed = in_range if fingerprinted is None else in_range & np.asarray(fingerprinted, bool)
+    idx = np.flatnonzero(hashed)
     if sources:
         fp[idx] = fingerprint(s[idx], sources).view(np.int64)
-    bits |= np.where(rkv != fp, _REAL_KV, 0)
+    bits |= np.where((rkv != fp) & (True if fingerprinted is None else np.asarray(fingerprinted, bool)), _REAL_KV, 0)
     if check_expected_token:
         bits |= np.where((et != NO_EXPECTED_TOKEN) & (tok != et), _TOKEN, 0)
     e = np.flatnonzero(~in_range | (bits != 0))

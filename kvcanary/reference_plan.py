@@ -85,6 +85,7 @@ class Entries:
     expected_token: np.ndarray
     position: np.ndarray
     live: np.ndarray
+    end: np.ndarray = None  # the owner's verified end, q.lo + q.n (the fingerprint budget's window)
 
 
 def entries(q: Requests, entry_offsets, active: int, req_to_token, swa_map=None, expected_pool=None,
@@ -97,7 +98,7 @@ def entries(q: Requests, entry_offsets, active: int, req_to_token, swa_map=None,
     off = np.asarray(entry_offsets, np.int64)
     if bs == 0:
         z = np.zeros(active, np.int64)
-        return Entries(z + SWA_UNMAPPED, z + CHAIN_HEAD, z + NO_EXPECTED_TOKEN, z, z.astype(bool))
+        return Entries(z + SWA_UNMAPPED, z + CHAIN_HEAD, z + NO_EXPECTED_TOKEN, z, z.astype(bool), z)
     r = np.clip(np.searchsorted(off[:bs], e, side="right") - 1, 0, bs - 1)
     k = e - off[r]
     live = q.ok[r] & (k >= 0) & (k < q.n[r])
@@ -120,7 +121,7 @@ def entries(q: Requests, entry_offsets, active: int, req_to_token, swa_map=None,
         at = pos + int(expected_token_offset)
         m = np.flatnonzero(live & (at >= 0) & (at < limit[r]))
         token[m] = pool[row[m], at[m]]
-    return Entries(slot, prev, token, pos, live)
+    return Entries(slot, prev, token, pos, live, (q.lo + q.n)[r])
 
 
 @dataclass
@@ -228,11 +229,12 @@ def fill_plan(*, verify, write, req_pool_indices, prefix_lens, extend_lens, req_
 
 def fused_verify_rows(*, canary, q: Requests, entry_offsets, num_valid, enable, capacity: int, req_to_token,
                       sources: Sequence[RefSource], tag, check_expected_token, swa_map=None, expected_pool=None,
-                      expected_valid_lens=None, expected_token_offset=0) -> tuple[np.ndarray, int, int]:
+                      expected_valid_lens=None, expected_token_offset=0, fingerprint_every: int = 1,
+                      fingerprint_phase: int = 0) -> tuple[np.ndarray, int, int]:
     """What one kvc_fused_verify launch finds, as (rows, active entries counted, entries skipped);
     active is -1 when the plan is disabled (no rows then). Rows: a BATCH ENTRY_COUNT row per
     request whose plan entry count differs from this batch's, then the checks of every live entry
-    (reference.check_entries)."""
+    (reference.check_entries), the real KV of those :func:`fingerprinted` picks."""
     if int(enable[0]) == 0:
         return np.zeros((0, 8), np.int64), -1, 0
     active = min(max(int(num_valid[0]), 0), capacity)
@@ -243,6 +245,18 @@ def fused_verify_rows(*, canary, q: Requests, entry_offsets, num_valid, enable, 
     rows = [batch_rows(tag, bad, int(BatchField.ENTRY_COUNT), planned[bad], q.n[bad])]
     x = entries(q, off, active, req_to_token, swa_map, expected_pool, expected_valid_lens, expected_token_offset)
     live = np.flatnonzero(x.live)
+    fp = fingerprinted(x.position[live], x.end[live], fingerprint_every, fingerprint_phase)
     rows.append(check_entries(canary, x.slot[live], x.prev[live], x.expected_token[live], x.position[live],
-                              sources, tag, check_expected_token))
+                              sources, tag, check_expected_token, fingerprinted=fp))
     return np.concatenate(rows), active, active - len(live)
+
+
+def fingerprinted(position, end, every: int, phase_counter: int) -> np.ndarray | None:
+    """The fingerprint budget (docs/format.md §6.1): which entries (at ``position``, of a request
+    whose verified positions end at ``end``) have their real KV checked: all when ``every`` <= 1
+    (None), else those whose position is ``phase_counter % every`` mod ``every`` and each request's
+    last ``every`` positions."""
+    if every <= 1:
+        return None
+    pos = np.asarray(position, np.int64)
+    return (pos % every == int(phase_counter) % every) | (pos + every >= np.asarray(end, np.int64))

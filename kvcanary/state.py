@@ -182,6 +182,8 @@ class VerifyContext:
     hash_mode: abi.HashMode = abi.HashMode.PARTIAL
     chain_position_assert: Any = None
     self_test_every: int = 0
+    fingerprint_every: int = 1
+    fingerprint_phase: Any = None
     marshalled: tuple[MarshalledSource, ...] = field(init=False)
     common: bytes = field(init=False, repr=False)
 
@@ -204,6 +206,12 @@ class VerifyContext:
         self.common = self._pack_common()
         integer("VerifyContext.self_test_every", self.self_test_every, lo=0, hi=INT32_MAX,
                 fix="pass 0 (off) or the number of verify launches between self-tests")
+        integer("VerifyContext.fingerprint_every", self.fingerprint_every, lo=1, hi=INT32_MAX,
+                fix="pass 1 (fingerprint every entry) or N: a rotating 1/N of the cached tokens per launch")
+        self.phase_view = None  # the fingerprint budget's phase counter (docs/format.md §6.1)
+        if self.fingerprint_phase is not None:
+            self.phase_view = checked(self.fingerprint_phase, "fingerprint_phase", dtype=np.int64, shape=(1,), ndim=1)
+            same_device([self.buffer.view, self.phase_view], "a VerifyContext")
         self.self_test_view = None
         if self.self_test_every:  # the canary-only known-bad record (docs/format.md §11)
             bad = np.array([abi.SELF_TEST_TOKEN, abi.SELF_TEST_POSITION + 1, 0, 0], np.int64)
@@ -214,9 +222,15 @@ class VerifyContext:
             self.self_test_view = checked(bad, "self_test", dtype=np.int64, shape=(abi.FIELDS_PER_SLOT,), ndim=1)
 
     def fill_self_test(self, p) -> None:
-        """The self-test fields of a verify params struct (0: off)."""
+        """The self-test and fingerprint-budget fields of a verify params struct (0: off)."""
         if self.self_test_view is not None:
             p.self_test, p.self_test_every = self.self_test_view.ptr, self.self_test_every
+        p.fingerprint_every = self.fingerprint_every
+        p.fingerprint_phase = 0 if self.phase_view is None else self.phase_view.ptr
+
+    def phase(self) -> int:
+        """The fingerprint budget's phase counter as the host reference reads it (0 without one)."""
+        return 0 if self.phase_view is None else int(self.phase_view.host[0])
 
     @property
     def device(self) -> int | None:

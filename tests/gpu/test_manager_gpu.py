@@ -50,6 +50,23 @@ def test_session_on_gpu_equals_reference(swa, fault):
     dev.canary.health_check()
 
 
+@pytest.mark.emulated
+@pytest.mark.parametrize("every", [2, 3, 100])
+@pytest.mark.parametrize("fault", [None, "kv"])
+def test_fingerprint_budget_on_gpu_equals_reference(every, fault):
+    """KvCanary(fingerprint_every=N): the TAIL verifies fingerprint a rotating share of the cached
+    tokens (docs/format.md §6.1); rows, buffers and counters equal the reference's."""
+    corrupt = None if fault is None else _flip_kv
+    host = Session(fingerprint_every=every)
+    dev = Session(0, fingerprint_every=every)
+    assert key(host.script(4, corrupt)) == key(dev.script(4, corrupt))
+    assert ring_rows(host.canary) == ring_rows(dev.canary)
+    hb, db = buffers(host.canary), buffers(dev.canary)
+    for name in hb:
+        np.testing.assert_array_equal(hb[name], db[name], err_msg=str(name))
+    dev.canary.health_check()
+
+
 class HeadRecordChanged(Session):
     """A session whose forward also changes one field of the HEAD K record of one new token (entry
     `entry` of step `at`) after before_forward: the record the later writes of the step (HEAD V,
