@@ -40,13 +40,13 @@ struct KvcWriteChain {
   long long position[KVC_WRITE_CHUNK];  // the position asserted against (+1) per entry
 };
 
-// Entries [base, min(base + CHUNK, end)) into `st`; slot -1 pads the tail of the chunk. Every
+// Entries [base, min(base + CHUNK, end)) into `st`; KVC_SKIP_SLOT pads the tail of the chunk. Every
 // worker loads one entry (CHUNK == WORKERS), so whole warps fingerprint together.
 __device__ __forceinline__ void kvc_write_load(const KvcWriteParams& p, KvcWriteStage& st, long long base,
                                                long long end, int t) {
   for (int j = t; j < KVC_WRITE_CHUNK; j += KVC_WRITE_WORKERS) {
     const long long i = base + j;
-    long long slot = -1, token = 0, position = 0;
+    long long slot = KVC_SKIP_SLOT, token = 0, position = 0;
     if (i < end) {
       slot = p.out_cache_loc[i];
       token = p.input_ids[i];
@@ -165,7 +165,7 @@ __device__ __forceinline__ unsigned kvc_write_linked(const KvcWriteParams& p, lo
   unsigned stamped = 0;
   for (long long base = start; base < end; base += blockDim.x) {  // the same rounds in every thread
     const long long i = base + threadIdx.x;
-    const long long slot = i < end ? p.out_cache_loc[i] : -1;
+    const long long slot = i < end ? p.out_cache_loc[i] : KVC_SKIP_SLOT;
     const bool in = slot >= 0 && slot < p.num_slots;
     const uint64_t rkv = kvc_fingerprint_lanes(p, slot, in);  // every lane of the warp
     if (i >= end) continue;
@@ -199,7 +199,7 @@ extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_write(const 
     if (seed > KVC_SEED_INVALID && seed <= KVC_SEED_INVALID + KVC_BATCH_FIELD_MAX) continue;  // rejected
     __syncthreads();  // the previous request's chunks are consumed
     if (seed >= p.num_slots || seed < KVC_CHAIN_HEAD) {  // a seed slot outside the buffer: chain head
-      if (tid == 0) kvc_record(p, seed, -1, 0, KVC_NO_EXPECTED_TOKEN, 0, 0, KVC_SLOT_OUT_OF_RANGE);
+      if (tid == 0) kvc_record(p, seed, KVC_NO_POSITION, 0, KVC_NO_EXPECTED_TOKEN, 0, 0, KVC_SLOT_OUT_OF_RANGE);
     } else if (seed >= 0) {
       pos_assert = assert_flag;
       running = kvc_slot_hash(p, seed);

@@ -68,6 +68,8 @@ SWA_UNMAPPED = -2            # a full-pool slot outside the full->SWA map (never
 PREV_ON_PADDING = -3         # plan prev_slot: a required predecessor is the padding slot 0 (reported)
 NO_SLOT = -1                 # SLOT_IDX of a BATCH_INDEX_OUT_OF_RANGE row whose value names no slot
 NO_REQUEST = -1              # POSITION of a BATCH_INDEX_OUT_OF_RANGE row of a TOKENS_* field (no one request)
+NO_POSITION = -1             # POSITION of a write's SLOT_OUT_OF_RANGE row for a seed outside the buffer
+SKIP_SLOT = -1               # a write entry's slot that stamps nothing (any negative; engines pad with -1)
 NO_RING_ROW = -1             # device-internal: kvc_record's ring index of a row not kept (its claim still counts)
 PLAN_DISABLED = -1           # device-internal: kvc_verify_begin's entry count of a disabled plan (any negative)
 SEED_INVALID = -(1 << 63)    # WritePlan.seed of a request the plan builder rejected: + BatchField code
@@ -459,6 +461,7 @@ def constants() -> dict[str, int]:
         "KVC_WIDE_HASH_BYTES": WIDE_HASH_BYTES, "KVC_STRIP_PIECE_BYTES": STRIP_PIECE_BYTES,
         "KVC_STRIP_BATCH": STRIP_BATCH, "KVC_WIDE_PIECES": WIDE_PIECES, "KVC_WIDE_DEPTH": WIDE_DEPTH,
         "KVC_FULL_MASK": FULL_MASK, "KVC_NO_SLOT": NO_SLOT, "KVC_NO_REQUEST": NO_REQUEST,
+        "KVC_NO_POSITION": NO_POSITION, "KVC_SKIP_SLOT": SKIP_SLOT,
         "KVC_NO_RING_ROW": NO_RING_ROW, "KVC_PLAN_DISABLED": PLAN_DISABLED,
         "KVC_SWA_UNMAPPED": SWA_UNMAPPED, "KVC_PREV_ON_PADDING": PREV_ON_PADDING,
         "KVC_SEED_INVALID": SEED_INVALID, "KVC_INT32_MASK": INT32_MASK, "KVC_FAIL_BITS_MASK": FAIL_BITS_MASK,

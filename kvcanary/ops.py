@@ -64,17 +64,12 @@ def _verify_shape(rt, name: str, capacity: int, hash_bytes: tuple[int, ...]) -> 
     """(kernel, grid, block) of a verify launch: the warp-cooperative *_wide variant when a source
     fingerprints KVC_WIDE_HASH_BYTES or more, the *_many variant for MANY_SOURCES or more short
     strips (their loads batched), and at most one resident wave of blocks (the
-    driver's occupancy for the kernel), never more blocks than the plan capacity has tiles.
-    A plan of few tiles gets blocks of fewer warps, so that its warps spread over the SMs (a block
-    runs on one SM: 66 tiles of a decode bs 1 x 4096 in blocks of 8 warps kept 9 SMs busy, and with
-    every layer's sources the folds made that 45 us)."""
+    driver's occupancy for the kernel), never more blocks than the plan capacity has tiles."""
     wide = any(h >= abi.WIDE_HASH_BYTES for h in hash_bytes)
     if wide:
         name, block, tile = f"{name}_wide", abi.WIDE_VERIFY_THREADS, _block_entries(abi.WIDE_VERIFY_THREADS, 1)
     else:
-        tiles = -(-capacity // _block_entries(32, abi.VERIFY_LANE_ENTRIES))
-        block = 32 * min(BLOCK // 32, max(1, -(-tiles // rt.sm_count)))
-        tile = _block_entries(block, abi.VERIFY_LANE_ENTRIES)
+        block, tile = BLOCK, _block_entries(BLOCK, abi.VERIFY_LANE_ENTRIES)
         if len(hash_bytes) >= abi.MANY_SOURCES:
             name = f"{name}_many"
     return name, max(1, min(rt.resident_blocks(name, block), -(-capacity // tile))), block

@@ -16,7 +16,8 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kvcanary.abi import (
-    CHAIN_HEAD, MAX_REQUEST_TOKENS, NO_EXPECTED_TOKEN, PADDING_SLOT, PREV_ON_PADDING, SEED_INVALID, SWA_UNMAPPED,
+    CHAIN_HEAD, MAX_REQUEST_TOKENS, NO_EXPECTED_TOKEN, NO_REQUEST, NO_SLOT, PADDING_SLOT, PREV_ON_PADDING,
+    RING_COLS, SEED_INVALID, SWA_UNMAPPED,
     BatchField,
     FailReason,
 )
@@ -59,7 +60,7 @@ def requests(req_pool_indices, prefix_lens, extend_lens, rtt_shape, swa_window=0
     return Requests(row, ok, lo, prefix - lo, prefix, tokens, field, value, bound)
 
 
-def batch_rows(tag, request, field, value, bound, slot=-1) -> np.ndarray:
+def batch_rows(tag, request, field, value, bound, slot=NO_SLOT) -> np.ndarray:
     """BATCH_INDEX_OUT_OF_RANGE rows (abi.BatchField names the columns)."""
     request = np.asarray(request, np.int64)
     z = np.zeros(len(request), np.int64)
@@ -200,11 +201,11 @@ def fill_plan(*, verify, write, req_pool_indices, prefix_lens, extend_lens, req_
     if out_cache_loc is not None:
         loc = np.asarray(out_cache_loc, np.int64)
         if total_tokens > len(loc):
-            rows.append(batch_rows(tag, [-1], int(BatchField.TOKENS_SHORT), total_tokens, len(loc)))
+            rows.append(batch_rows(tag, [NO_REQUEST], int(BatchField.TOKENS_SHORT), total_tokens, len(loc)))
         tail = np.flatnonzero(loc[total_tokens:] > 0)
         if len(tail):
             i = total_tokens + int(tail[0])
-            rows.append(batch_rows(tag, [-1], int(BatchField.TOKENS_UNOWNED), i, total_tokens, slot=int(loc[i])))
+            rows.append(batch_rows(tag, [NO_REQUEST], int(BatchField.TOKENS_UNOWNED), i, total_tokens, slot=int(loc[i])))
     if report is not None:
         report(np.concatenate(rows))
     counts = q.n
@@ -236,7 +237,7 @@ def fused_verify_rows(*, canary, q: Requests, entry_offsets, num_valid, enable, 
     request whose plan entry count differs from this batch's, then the checks of every live entry
     (reference.check_entries), the real KV of those :func:`fingerprinted` picks."""
     if int(enable[0]) == 0:
-        return np.zeros((0, 8), np.int64), -1, 0
+        return np.zeros((0, RING_COLS), np.int64), -1, 0
     active = min(max(int(num_valid[0]), 0), capacity)
     bs = len(q.row)
     off = np.asarray(entry_offsets, np.int64)

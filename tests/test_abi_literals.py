@@ -32,13 +32,14 @@ ALLOWED_SHIFTS: dict[int, str] = {
     5: "log2 of the warp size, a CUDA constant: x >> 5 is x / 32 (the warp of thread x)",
 }
 
-# ---- write.cu: to be moved (issue 12.3) ----------------------------------------------------------
-# write.cu is being edited elsewhere; its format and tuning numbers are listed here until they move
-# to abi.py. Each entry is (file, the literal as written, the line's code with comments and strings
-# blanked and whitespace collapsed): it allows every occurrence of that literal on that line,
-# wherever the line is. An entry that no longer matches fails (test_write_cu_entries_are_not_stale): delete it once
-# the number has moved.
-WRITE_CU_TO_MOVE: dict[tuple[str, str, str], str] = {
+# ---- write.cu: the write kernel's own layout ---------------------------------------------------------
+# The write kernel's warp roles (warp 0 chains, warp 4 idles, six worker warps), its pipeline depth
+# (three chunks in flight, two chain buffers) and its unrolls: numbers of this kernel's design that
+# nothing outside it mirrors (no Python code, no other kernel, no format), so they stay beside the
+# code they shape. Each entry is (file, the literal as written, the line's code with comments and
+# strings blanked and whitespace collapsed): it allows every occurrence of that literal on that line,
+# wherever the line is. An entry that no longer matches fails (test_write_cu_entries_are_not_stale).
+WRITE_KERNEL_LAYOUT: dict[tuple[str, str, str], str] = {
     ("write.cu", "256", 'static_assert(KVC_BLOCK_THREADS == 256, );'):
         "the write kernel's block (8 warps): KVC_BLOCK_THREADS itself, or its warps",
     ("write.cu", "192", "#define KVC_WRITE_WORKERS 192"):
@@ -49,14 +50,10 @@ WRITE_CU_TO_MOVE: dict[tuple[str, str, str], str] = {
         "the idle warp (warp 4: it shares warp 0's scheduler)",
     ("write.cu", "64", "return (warp == 0 || warp == 4) ? -1 : tid - (warp < 4 ? 32 : 64);"):
         "threads of the two non-worker warps before warps 5-7",
-    ("write.cu", "-1", "long long slot = -1, token = 0, position = 0;"):
-        "the slot that pads a chunk's tail (a negative slot is skipped)",
     ("write.cu", "4", "#pragma unroll 4"):
         "unroll of the serial chain loop: tuning",
     ("write.cu", "8", "#pragma unroll 8"):
         "unroll of the repeated-slot scan: tuning",
-    ("write.cu", "-1", "const long long slot = i < end ? p.out_cache_loc[i] : -1;"):
-        "the slot of a thread past the request (skipped)",
     ("write.cu", "3", "__shared__ KvcWriteStage stage[3];"):
         "chunks in flight (chained, stored, loaded): tuning",
     ("write.cu", "3", "kvc_write_chain(p, stage[k % 3], n, chain[k & 1], running, running_pos);"):
@@ -65,8 +62,6 @@ WRITE_CU_TO_MOVE: dict[tuple[str, str, str], str] = {
         "chunks in flight",
     ("write.cu", "3", "if (k + 1 < chunks) kvc_write_load(p, stage[(k + 1) % 3], base + KVC_WRITE_CHUNK, end, worker);"):
         "chunks in flight",
-    ("write.cu", "-1", "if (tid == 0) kvc_record(p, seed, -1, 0, KVC_NO_EXPECTED_TOKEN, 0, 0, KVC_SLOT_OUT_OF_RANGE);"):
-        "POSITION of the bad-seed row (docs/format.md §5): a format value",
 }
 
 # ---- the scanner ----------------------------------------------------------------------------------
@@ -168,7 +163,7 @@ def _normal(code_line: str) -> str:
 
 
 def offenders(sources: dict[str, str]) -> tuple[list[str], set[tuple[str, str, str]]]:
-    """``file:line:literal`` of every literal not allowed, and the WRITE_CU_TO_MOVE keys used."""
+    """``file:line:literal`` of every literal not allowed, and the WRITE_KERNEL_LAYOUT keys used."""
     bad, used = [], set()
     for name, text in sources.items():
         for line, spelling, value, code_line, column in literals(text):
@@ -177,7 +172,7 @@ def offenders(sources: dict[str, str]) -> tuple[list[str], set[tuple[str, str, s
             if isinstance(value, int) and value in ALLOWED_SHIFTS and _shift_operand(code_line, column):
                 continue
             key = (name, spelling, _normal(code_line))
-            if key in WRITE_CU_TO_MOVE:
+            if key in WRITE_KERNEL_LAYOUT:
                 used.add(key)
                 continue
             bad.append(f"kernels_src/{name}:{line}:{spelling}")
@@ -195,8 +190,8 @@ def test_no_number_is_typed_into_a_kernel_source():
 
 def test_write_cu_entries_are_not_stale():
     _, used = offenders(kc_compile.read_sources())
-    stale = sorted(set(WRITE_CU_TO_MOVE) - used)
-    assert not stale, "kv-canary: WRITE_CU_TO_MOVE entries that match no literal (moved? delete them):\n  " + \
+    stale = sorted(set(WRITE_KERNEL_LAYOUT) - used)
+    assert not stale, "kv-canary: WRITE_KERNEL_LAYOUT entries that match no literal (moved? delete them):\n  " + \
         "\n  ".join(f"{f}: {lit!r} in {line!r}" for f, lit, line in stale)
 
 

@@ -240,43 +240,36 @@ def test_launches_are_repacked_only_when_a_batch_layout_changes(fake):
         assert all(not any(x is batch.out_cache_loc for x in launch.keep) for launch in entry.launches)
 
 
-@pytest.mark.parametrize("hash_mode,read_bytes,tail_verify,wide", [
-    ("partial", 1024, "kvc_fused_verify", False),     # 16 fingerprinted bytes: one lane per entry
-    ("all", 48, "kvc_fused_verify", False),           # short strips: still per lane
-    ("all", 1024, "kvc_fused_verify_wide", True),     # >= 64 bytes: warp-cooperative fetch, 128 threads
+@pytest.mark.parametrize("hash_mode,read_bytes,tail_verify,block", [
+    ("partial", 1024, "kvc_fused_verify", 256),       # 16 fingerprinted bytes: one lane per entry
+    ("all", 48, "kvc_fused_verify", 256),             # short strips: still per lane
+    ("all", 1024, "kvc_fused_verify_wide", 128),      # >= 64 bytes: warp-cooperative fetch
 ])
-@pytest.mark.parametrize("capacity", [4096, 1 << 20])
-def test_verify_kernel_follows_the_fingerprinted_bytes(fake, hash_mode, read_bytes, tail_verify, wide, capacity):
-    """The kernel follows the bytes fingerprinted; blocks of warp tiles have as many warps as spread
-    the plan's tiles over the SMs (the fake device has 132): 4096 entries are 66 tiles of 63, one
-    warp per block; 2^20 entries fill blocks of 8 warps."""
+def test_verify_kernel_follows_the_fingerprinted_bytes(fake, hash_mode, read_bytes, tail_verify, block):
     from kvcanary import memory
     from kvcanary.manager import KvCanary, PoolGroup
     pool = memory.zeros((64, 1024), np.uint8)
     canary = KvCanary(PoolGroup(64, k_sources=[kc.RealKvSource(pool, 1, 1024, read_bytes)], halves=("K",)),
-                      device=0, hash_mode=hash_mode, max_batch=2, verify_capacity=capacity)
+                      device=0, hash_mode=hash_mode, max_batch=2, verify_capacity=4096)
     _, batch, _ = make_canary()
     step(canary, batch, stream(fake))
     verifies = [(fn, grid, bx) for fn, grid, bx in fake.shapes if "verify" in fn]
     assert [v[0] for v in verifies] == ["kvc_fused_verify", tail_verify]  # HEAD never fingerprints
-    block = 32 if capacity == 4096 else 256
-    assert verifies[0][2] == block and verifies[1][2] == (128 if wide else block)
+    assert verifies[0][2] == 256 and verifies[1][2] == block
     for fn, grid, bx in verifies:  # no block without a tile of a full plan (grid-stride covers any grid)
         tile = (31 if fn.endswith("_wide") else 32 * abi.VERIFY_LANE_ENTRIES - 1) * (bx // 32)  # a block's warp tiles
-        assert 1 <= grid <= -(-capacity // tile)
+        assert 1 <= grid <= -(-4096 // tile)
 
 
 @pytest.mark.parametrize("capacity,wide", [(1, False), (1000, False), (1 << 20, False), (1 << 20, True)])
 def test_verify_grid_is_one_resident_wave_at_most(fake, capacity, wide):
     """The kernel follows the fingerprinted bytes only (no layout guessed from the batch size);
-    the grid is the driver's occupancy x SMs, never more blocks than the plan has tiles; blocks
-    have fewer warps when the tiles are fewer than SMs x 8."""
+    the grid is the driver's occupancy x SMs, never more blocks than the plan has tiles."""
     from kvcanary import driver, ops
     rt = driver.runtime(0)
     hash_bytes = (16, 1024) if wide else (16,)
     for base in ("kvc_verify", "kvc_fused_verify"):
         name, grid, block = ops._verify_shape(rt, base, capacity, hash_bytes)
-        # few tiles: one warp per block, so they spread over the 132 SMs
-        assert name == (f"{base}_wide" if wide else base) and block == (128 if wide else 256 if capacity > 1000 else 32)
+        assert name == (f"{base}_wide" if wide else base) and block == (128 if wide else 256)
         tile = (31 if wide else 32 * abi.VERIFY_LANE_ENTRIES - 1) * (block // 32)
         assert grid == min(rt.sm_count * (2048 // block), -(-capacity // tile))  # fake occupancy: 2048 threads

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvcanary.abi import CHAIN_HEAD
+
 from .state import Entry, HostEntry, Read, Transfer
 
 
@@ -163,14 +165,14 @@ class Cache:
             return
         slots = np.concatenate([e.slots for e in picked])
         pos = np.concatenate([np.arange(len(e.slots)) for e in picked])
-        prev = np.concatenate([np.concatenate([[-1], e.slots[:-1]]) for e in picked]).astype(np.int64)
+        prev = np.concatenate([np.concatenate([[CHAIN_HEAD], e.slots[:-1]]) for e in picked]).astype(np.int64)
         toks = np.concatenate([e.tokens for e in picked])
         keys = np.concatenate([e.keys for e in picked])
         eng._canary(eng.kv.sweep, slots, pos, prev, group="FULL")
         eng.counts["swept_slots"] += len(slots)
         reads = [Read("FULL", "sweep", slots, pos, toks, keys)]
         if eng.swa is not None:
-            swa, swa_prev = eng.map[slots], np.where(prev >= 0, eng.map[np.maximum(prev, 0)], -1)
+            swa, swa_prev = eng.map[slots], np.where(prev >= 0, eng.map[np.maximum(prev, 0)], CHAIN_HEAD)
             eng._canary(eng.kv.sweep, swa, pos, swa_prev, group="SWA")
             reads.append(Read("SWA", "sweep", swa, pos, toks, keys))
         eng.fault.observe(eng, reads)
