@@ -5,14 +5,13 @@ cubins from the disk cache). It never initialises the CUDA driver: that happens 
 launch, so servers may fork after import.
 """
 
-__version__ = "0.1.0"
-
-from . import abi, compile as _compile, driver as _driver  # noqa: E402
+from ._version import __version__  # noqa: E402
+from . import abi, compile as _compile  # noqa: E402
 from .abi import FailReason, HashMode, LaunchTag, MAX_REAL_KV_SOURCES  # noqa: E402
 from .errors import (CanaryViolationError, CompileError, DriverError, KvCanaryError,  # noqa: E402
                      NoCudaDriverError, ValidationError, ValidationTypeError)
 
-_driver._compiled = COMPILED = _compile.load_kernels()
+COMPILED = _compile.load_kernels()  # the configured archs; the driver loads them on first launch
 
 from .arrays import ArrayView, as_view, from_pointer  # noqa: E402
 from .ops import build_plan, fused_verify, verify, write  # noqa: E402
@@ -25,6 +24,7 @@ from .records import CanaryRecords  # noqa: E402
 from .manager import KvCanary, PoolGroup  # noqa: E402
 
 __all__ = [
+    "__version__",
     "abi", "FailReason", "HashMode", "LaunchTag", "MAX_REAL_KV_SOURCES", "CanaryViolationError",
     "CompileError", "DriverError", "KvCanaryError", "NoCudaDriverError", "ValidationError",
     "ValidationTypeError", "ArrayView", "as_view", "from_pointer", "build_plan", "fused_verify",

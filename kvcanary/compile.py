@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import abi
+from ._version import __version__
 from .cache import CubinCache, cache_key, default_dir
 from .errors import CompileError, ValidationError
 
@@ -176,8 +177,10 @@ def compile_notice(archs, cache_dir: Path | None) -> str:
 
 
 def load_kernels(archs: tuple[int, ...] | None = None, cache: CubinCache | None = None) -> CompiledKernels:
-    """Cubins for every arch, from the cache when possible, compiled (in parallel) otherwise."""
-    from . import __version__
+    """Cubins for every arch, from the cache when possible, compiled (in parallel) otherwise. The
+    configured archs' set (no ``archs``, the default cache) is kept: :func:`loaded` returns it."""
+    global _LOADED
+    default = archs is None and cache is None
     archs = archs or configured_archs()
     cache = cache if cache is not None else CubinCache(default_dir())
     identity = nvrtc_identity()
@@ -205,6 +208,18 @@ def load_kernels(archs: tuple[int, ...] | None = None, cache: CubinCache | None 
             for a, cubin in zip(todo, pool.map(lambda a: compile_cubin(sources, prelude, a), todo)):
                 cache.put(keys[a], cubin)
                 cubins[a] = cubin
-    return CompiledKernels(cubins=cubins, nvrtc=identity, cache_dir=cache.directory,
-                           hits=cache.hits - hits0, misses=cache.misses - misses0,
-                           skipped_archs=skipped, keys=keys)
+    compiled = CompiledKernels(cubins=cubins, nvrtc=identity, cache_dir=cache.directory,
+                               hits=cache.hits - hits0, misses=cache.misses - misses0,
+                               skipped_archs=skipped, keys=keys)
+    if default:
+        _LOADED = compiled
+    return compiled
+
+
+_LOADED: CompiledKernels | None = None
+
+
+def loaded() -> CompiledKernels | None:
+    """The configured archs' kernels as the last default :func:`load_kernels` (``import kvcanary``)
+    left them, or None."""
+    return _LOADED

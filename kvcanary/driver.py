@@ -18,7 +18,6 @@ from .errors import DriverError, NoCudaDriverError
 _lock = threading.Lock()
 _initialised = False
 _runtimes: dict[int, "DeviceRuntime"] = {}
-_compiled = None  # set by kvcanary/__init__.py: compile.CompiledKernels
 
 # Stream handles with a meaning of their own (cuda.h): never chosen implicitly.
 LEGACY_STREAM = 0x1
@@ -278,7 +277,7 @@ def _load_library(ordinal: int, ctx: int, capability: tuple[int, int], sms: int)
     d = _driver()
     major, minor = capability
     from . import compile as nvrtc_compile
-    compiled = _compiled
+    compiled = nvrtc_compile.loaded()
     arch = _pick_cubin(compiled.cubins, (major, minor)) if compiled else None
     if arch is None:  # an arch outside the configured list: compile it now (and cache it)
         arch = major * 10 + minor
