@@ -163,7 +163,7 @@ def prepare_verify(ctx: VerifyContext, plan: StepPlan, *, check_expected_token: 
                          tag=int(ctx.tag), check_expected_token=check, **_ref_counters(ctx), **_ref_self_test(ctx))
         return None
     p = ctx.params(abi.VerifyParams)
-    ctx.fill_self_test(p)
+    ctx.fill_verify_tail(p)
     p.plan_slot, p.plan_expected_token = views["slot"].ptr, views["expected_token"].ptr
     p.plan_expected_position, p.plan_prev_slot = views["expected_position"].ptr, views["prev_slot"].ptr
     p.plan_num_valid, p.plan_enable = num_valid.ptr, enable.ptr
@@ -408,7 +408,7 @@ def prepare_fused_verify(ctx: VerifyContext, batch: Batch, plan: StepPlan, *, sw
             _report(s)(rows)
         return None
     p = ctx.params(abi.FusedVerifyParams)
-    ctx.fill_self_test(p)
+    ctx.fill_verify_tail(p)
     _fill_batch(p, v, batch, plan, window, swa_map)
     p.check_expected_token = int(check)
     rt = _runtime(ctx.device)

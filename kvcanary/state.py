@@ -221,8 +221,9 @@ class VerifyContext:
             self._self_test = bad
             self.self_test_view = checked(bad, "self_test", dtype=np.int64, shape=(abi.FIELDS_PER_SLOT,), ndim=1)
 
-    def fill_self_test(self, p) -> None:
-        """The self-test and fingerprint-budget fields of a verify params struct (0: off)."""
+    def fill_verify_tail(self, p) -> None:
+        """The fields of abi._VERIFY_TAIL a verify params struct takes from the context: the self-test
+        and the fingerprint budget (0: off)."""
         if self.self_test_view is not None:
             p.self_test, p.self_test_every = self.self_test_view.ptr, self.self_test_every
         p.fingerprint_every = self.fingerprint_every
