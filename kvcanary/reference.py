@@ -211,11 +211,11 @@ def check_entries(canary, slot, prev_slot, expected_token, expected_position, so
     bits |= np.where(p == PREV_ON_PADDING, _PADDING, 0)
     bits |= np.where(pos != epos, _POSITION, 0)
     fp = np.zeros(active, dtype=np.int64)
-    hashed = in_range if fingerprinted is None else in_range & np.asarray(fingerprinted, bool)
-    idx = np.flatnonzero(hashed)
+    compared = np.ones(active, bool) if fingerprinted is None else np.asarray(fingerprinted, bool)
+    idx = np.flatnonzero(in_range & compared)
     if sources:
         fp[idx] = fingerprint(s[idx], sources).view(np.int64)
-    bits |= np.where((rkv != fp) & (True if fingerprinted is None else np.asarray(fingerprinted, bool)), _REAL_KV, 0)
+    bits |= np.where((rkv != fp) & compared, _REAL_KV, 0)
     if check_expected_token:
         bits |= np.where((et != NO_EXPECTED_TOKEN) & (tok != et), _TOKEN, 0)
     e = np.flatnonzero(~in_range | (bits != 0))
