@@ -94,7 +94,7 @@ __device__ __forceinline__ uint64_t kvc_fingerprint_many(const P& p, long long s
 // lane fingerprints its own slot: short strips of many sources with their first loads batched
 // (kvc_fingerprint_many), else source by source with eight loads of a strip in flight.
 template <class P>
-__device__ __forceinline__ uint64_t kvc_fingerprint_lanes(const P& p, long long slot, bool own) {
+__device__ __noinline__ uint64_t kvc_fingerprint_lanes(const P& p, long long slot, bool own) {
   const unsigned mask = __ballot_sync(KVC_FULL_MASK, own);
   const int per_slot = (p.num_sources + 31) / 32, batches = (p.num_sources + KVC_SOURCE_BATCH - 1) / KVC_SOURCE_BATCH;
   if (__popc(mask) * per_slot >= batches) {

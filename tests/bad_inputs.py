@@ -393,7 +393,7 @@ rows("state.CanaryBuffer", lambda v: kc.CanaryBuffer(v),
       ("1d", np.zeros(256, np.uint8), ERR), ("strided", np.zeros((8, 64), np.uint8)[:, :32], ERR),
       ("readonly", readonly(np.zeros((8, 32), np.uint8)), ERR), ("0-slots", np.zeros((0, 32), np.uint8), ERR),
       ("ok", np.zeros((8, 32), np.uint8), OK), ("stride40", np.zeros((8, 40), np.uint8), OK)])
-rows("state.CanaryBuffer.allocate", lambda v: kc.CanaryBuffer.allocate(v), INTS + [("2**40", 2**40, ERR), ("8", 8, OK)])
+rows("state.CanaryBuffer.allocate", lambda v: kc.CanaryBuffer.allocate(v), INTS + [("2**40+1", 2**40 + 1, ERR), ("8", 8, OK)])
 rows("state.CanaryBuffer.allocate.device", lambda v: kc.CanaryBuffer.allocate(8, device=v),
      [("'cpu'", "cpu", TYPE), ("-1", -1, ERR), ("True", True, TYPE), ("None", None, OK)])
 rows("state.CanaryBuffer.allocate.slot_stride_bytes", lambda v: kc.CanaryBuffer.allocate(8, slot_stride_bytes=v),
