@@ -176,23 +176,13 @@ __device__ __forceinline__ long long kvc_rtt(const B& b, long long row, long lon
 
 // Expected token of request r's entry at `pos` (§8), -1 when there is none. Rows are checked
 // (row < rtt_rows <= the pool's rows, which the host checks); `at` against the valid length.
-// The expected pool's valid length for request r (0 without a pool): what kvc_expected_token_at takes.
-template <class B>
-__device__ __forceinline__ long long kvc_expected_valid(const B& b, long long r) {
-  if (b.expected_pool == 0) return 0;
-  const long long valid = b.expected_valid_lens != 0 ? b.expected_valid_lens[r] : b.expected_pool_len;
-  return valid < b.expected_pool_len ? valid : b.expected_pool_len;
-}
-
-template <class B>
-__device__ __forceinline__ long long kvc_expected_token_at(const B& b, long long row, long long pos, long long valid) {
-  const long long at = pos + b.expected_token_offset;
-  return (at >= 0 && at < valid) ? b.expected_pool[row * b.expected_row_stride + at] : KVC_NO_EXPECTED_TOKEN;
-}
-
 template <class B>
 __device__ __forceinline__ long long kvc_expected_token(const B& b, long long r, long long row, long long pos) {
-  return kvc_expected_token_at(b, row, pos, kvc_expected_valid(b, r));
+  if (b.expected_pool == 0) return KVC_NO_EXPECTED_TOKEN;
+  const long long at = pos + b.expected_token_offset;
+  long long valid = b.expected_valid_lens != 0 ? b.expected_valid_lens[r] : b.expected_pool_len;
+  if (valid > b.expected_pool_len) valid = b.expected_pool_len;
+  return (at >= 0 && at < valid) ? b.expected_pool[row * b.expected_row_stride + at] : KVC_NO_EXPECTED_TOKEN;
 }
 
 // Request owning flat entry e among requests [lo, hi): the last r with entry_offsets[r] <= e, for

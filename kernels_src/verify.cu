@@ -207,18 +207,16 @@ __device__ __forceinline__ void kvc_owner2_warp(const B& b, long long e0, long l
 }
 
 // What the fused verify needs of request r in this launch's batch: its req_to_token row, first
-// verified position, verified count (0 for padding and rejected requests), first entry and the
-// expected pool's valid length.
+// verified position, verified count (0 for padding and rejected requests) and first entry.
 struct KvcFusedReq {
   const int* rtt_row;
-  long long row, lo, n, off, valid;
+  long long row, lo, n, off;
 };
 
 template <class B>
 __device__ __forceinline__ KvcFusedReq kvc_fused_req(const B& b, int r) {
   const KvcRequest q = kvc_request(b, r);
-  return {q.ok ? b.req_to_token + q.row * b.rtt_row_stride : b.req_to_token, q.row, q.lo, q.n, b.entry_offsets[r],
-          kvc_expected_valid(b, r)};
+  return {q.ok ? b.req_to_token + q.row * b.rtt_row_stride : b.req_to_token, q.row, q.lo, q.n, b.entry_offsets[r]};
 }
 
 template <int VT, int FOLD>
@@ -282,31 +280,13 @@ __device__ __forceinline__ void kvc_verify_fused(const KvcFusedVerifyParams& p, 
   const unsigned phase = every > 1 && p.fingerprint_phase != 0 ? (unsigned)(*p.fingerprint_phase % every) : 0u;
   const int lane = threadIdx.x & 31;
   constexpr int kVerified = KvcTiles<VT>::kVerified;
-  // Each warp verifies one run of consecutive tiles, so a tile usually lies in the request that
-  // owned the previous tile's last entry (the tile's first): that owner and the end of its entries
-  // are kept, and the owners are searched only when a tile reaches past that end. (With offsets
-  // that decrease, device garbage, the owner kept may differ from a search's: every entry is
-  // still checked against its owner's range before anything is read.)
-  const long long tiles = (active + kVerified - 1) / kVerified, warps = (long long)gridDim.x * blockDim.x >> 5;
-  const long long per_warp = (tiles + warps - 1) / warps;
-  const long long tile0 = (((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5) * per_warp;
-  const long long tile_end = tile0 + per_warp < tiles ? tile0 + per_warp : tiles;
-  int kept = KVC_NO_REQUEST;  // the kept owner (of the previous tile's last entry, this tile's first), or none
-  long long kept_end = 0;
+  const KvcTiles<VT> t;
   unsigned skipped = 0;
-  for (long long tile = tile0; tile < tile_end; ++tile) {
-    const long long first = tile * kVerified;
+  for (long long first = t.first; first < active; first += t.step) {
     const long long last = (active - first > kVerified ? first + kVerified : active) - 1;
-    const long long e0 = first > 0 ? first - 1 : 0;
     int r_first, r_last;  // owners of the tile's first and last held entries
-    if (kept != KVC_NO_REQUEST && last < kept_end) {
-      r_first = r_last = kept;
-    } else {
-      kvc_owner2_warp(p, e0, last, &r_first, &r_last);
-      if (r_last < r_first) r_last = r_first;  // offsets that decrease (device garbage): search them all
-      kept = r_last;
-      kept_end = kept + 1 < p.batch_size ? p.entry_offsets[kept + 1] : active;  // every tile ends before active
-    }
+    kvc_owner2_warp(p, first > 0 ? first - 1 : 0, last, &r_first, &r_last);
+    if (r_last < r_first) r_last = r_first;  // offsets that decrease (device garbage): search them all
     const KvcFusedReq q_first = kvc_fused_req(p, r_first);
     long long slot[VT], prev[VT], etok[VT], epos[VT];
     bool held[VT], live[VT], inner[VT], fp[VT];
@@ -332,7 +312,7 @@ __device__ __forceinline__ void kvc_verify_fused(const KvcFusedVerifyParams& p, 
       slot[v] = ok ? kvc_map_slot(p, raw) : 0;
       prev[v] = KVC_CHAIN_HEAD;
       if (live[v] && !inner[v] && pos > 0) prev[v] = kvc_map_slot(p, (long long)q.rtt_row[pos - 1]);
-      etok[v] = live[v] && p.expected_pool != 0 ? kvc_expected_token_at(p, q.row, pos, q.valid) : KVC_NO_EXPECTED_TOKEN;
+      etok[v] = live[v] ? kvc_expected_token(p, r, q.row, pos) : KVC_NO_EXPECTED_TOKEN;
       epos[v] = pos;
       // pos < rtt_max_len (an int) for a live entry: the 32-bit remainder is exact
       fp[v] = every == 1 || (unsigned)pos % every == phase || pos + (long long)every >= q.lo + q.n;
