@@ -360,3 +360,21 @@ kvc_fused_verify_wide(const __grid_constant__ KvcFusedVerifyParams p) {
   __shared__ KvcWideStage stage[KVC_WIDE_VERIFY_THREADS / 32];
   kvc_verify_fused<1, KVC_FOLD_WIDE>(p, stage);
 }
+
+// The K and V halves of a group in one launch: blockIdx.y is the half, each verified as its own
+// launch would verify it.
+extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_VERIFY_BLOCKS_PER_SM)
+kvc_fused_verify_pair(const __grid_constant__ KvcFusedVerifyPair p) {
+  if (blockIdx.y < KVC_HALVES) kvc_verify_fused<KVC_VT, KVC_FOLD_NARROW>(p.half[blockIdx.y], nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_MANY_VERIFY_MIN_BLOCKS)
+kvc_fused_verify_many_pair(const __grid_constant__ KvcFusedVerifyPair p) {
+  if (blockIdx.y < KVC_HALVES) kvc_verify_fused<KVC_VT, KVC_FOLD_MANY>(p.half[blockIdx.y], nullptr);
+}
+
+extern "C" __global__ void __launch_bounds__(KVC_WIDE_VERIFY_THREADS)
+kvc_fused_verify_wide_pair(const __grid_constant__ KvcFusedVerifyPair p) {
+  __shared__ KvcWideStage stage[KVC_WIDE_VERIFY_THREADS / 32];
+  if (blockIdx.y < KVC_HALVES) kvc_verify_fused<1, KVC_FOLD_WIDE>(p.half[blockIdx.y], stage);
+}

@@ -177,7 +177,8 @@ __device__ __forceinline__ unsigned kvc_write_linked(const KvcWriteParams& p, lo
   return stamped;
 }
 
-extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_write(const __grid_constant__ KvcWriteParams p) {
+// The write of one params struct (a launch, or one half of a paired launch).
+__device__ __forceinline__ void kvc_write_run(const KvcWriteParams& p) {
   __shared__ KvcWriteStage stage[3];   // chunk k % 3: chained, stored (k - 1) and loaded (k + 1) at once
   __shared__ KvcWriteChain chain[2];   // chain values of chunk k % 2
   const int tid = threadIdx.x, worker = kvc_write_worker(tid);
@@ -232,4 +233,14 @@ extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_write(const 
   }
   const unsigned warp_stamped = __reduce_add_sync(KVC_FULL_MASK, stamped);
   if ((tid & 31) == 0 && warp_stamped) atomicAdd(p.slot_run_counter, (unsigned long long)warp_stamped);
+}
+
+extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_write(const __grid_constant__ KvcWriteParams p) {
+  kvc_write_run(p);
+}
+
+// The K and V halves of a group in one launch: blockIdx.y is the half (a half never takes its
+// chain from the other: a chain source is stamped by an earlier launch).
+extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_write_pair(const __grid_constant__ KvcWritePair p) {
+  if (blockIdx.y < KVC_HALVES) kvc_write_run(p.half[blockIdx.y]);
 }

@@ -354,9 +354,15 @@ SNAPSHOT_PARAMS = StructDecl("KvcSnapshotParams", (
     _F("ticket", "i64"),                    # written to *done last; never 0
 ))
 
+# The K and V halves of a group in one launch (docs/format.md §7): HALVES params structs, one per
+# half, and a 2-D grid whose blockIdx.y picks the half; each half runs as its own launch would.
+HALVES = 2
+WRITE_PAIR = StructDecl("KvcWritePair", (_F("half", "struct:KvcWriteParams", HALVES),))
+FUSED_VERIFY_PAIR = StructDecl("KvcFusedVerifyPair", (_F("half", "struct:KvcFusedVerifyParams", HALVES),))
+
 STRUCTS: tuple[StructDecl, ...] = (
     SOURCE_DESC, VERIFY_PARAMS, WRITE_PARAMS, PREPARE_PARAMS, EXPAND_PARAMS,
-    FUSED_VERIFY_PARAMS, RECORDS_PARAMS, PROBE_PARAMS, SNAPSHOT_PARAMS,
+    FUSED_VERIFY_PARAMS, RECORDS_PARAMS, PROBE_PARAMS, SNAPSHOT_PARAMS, WRITE_PAIR, FUSED_VERIFY_PAIR,
 )
 _BY_NAME = {s.name: s for s in STRUCTS}
 PARAMS_STRUCTS = tuple(s for s in STRUCTS if s is not SOURCE_DESC)
@@ -371,6 +377,10 @@ KERNELS: dict[str, str] = {
     "kvc_fused_verify_wide": FUSED_VERIFY_PARAMS.name,
     "kvc_fused_verify_many": FUSED_VERIFY_PARAMS.name,
     "kvc_write": WRITE_PARAMS.name,
+    "kvc_write_pair": WRITE_PAIR.name,
+    "kvc_fused_verify_pair": FUSED_VERIFY_PAIR.name,
+    "kvc_fused_verify_wide_pair": FUSED_VERIFY_PAIR.name,
+    "kvc_fused_verify_many_pair": FUSED_VERIFY_PAIR.name,
     "kvc_prepare": PREPARE_PARAMS.name,
     "kvc_expand": EXPAND_PARAMS.name,
     "kvc_snapshot": SNAPSHOT_PARAMS.name,
@@ -439,6 +449,11 @@ FusedVerifyParams = CTYPES["KvcFusedVerifyParams"]
 ProbeParams = CTYPES["KvcProbeParams"]
 SnapshotParams = CTYPES["KvcSnapshotParams"]
 RecordsParams = CTYPES["KvcRecordsParams"]
+WritePair = CTYPES["KvcWritePair"]
+FusedVerifyPair = CTYPES["KvcFusedVerifyPair"]
+# The paired entry point of a kernel (one launch for both halves), by the kernel's name.
+PAIRED = {"kvc_write": "kvc_write_pair", "kvc_fused_verify": "kvc_fused_verify_pair",
+          "kvc_fused_verify_wide": "kvc_fused_verify_wide_pair", "kvc_fused_verify_many": "kvc_fused_verify_many_pair"}
 
 
 # ---- C++ side ---------------------------------------------------------------------------------------
@@ -468,6 +483,7 @@ def constants() -> dict[str, int]:
         "KVC_MAX_REQUEST_TOKENS": MAX_REQUEST_TOKENS, "KVC_MAX_RECORD_BUFFERS": MAX_RECORD_BUFFERS,
         "KVC_FIELDS_PER_SLOT": FIELDS_PER_SLOT,
         "KVC_SELF_TEST_TOKEN": SELF_TEST_TOKEN, "KVC_SELF_TEST_POSITION": SELF_TEST_POSITION,
+        "KVC_HALVES": HALVES,
     }
     for field in BatchField:
         out[f"KVC_BATCH_{field.name}"] = int(field)

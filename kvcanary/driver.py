@@ -137,8 +137,9 @@ class DeviceRuntime:
             s = self._streams.setdefault(stream, _driver().CUstream(stream))
         return s
 
-    def launch(self, name: str, grid: int, block: int, args_address: int, stream: int) -> None:
-        """Launch ``name`` with a prepacked ``void*[1]`` at ``args_address`` on ``stream``.
+    def launch(self, name: str, grid: int, block: int, args_address: int, stream: int, grid_y: int = 1) -> None:
+        """Launch ``name`` with a prepacked ``void*[1]`` at ``args_address`` on ``stream`` (a
+        ``grid`` x ``grid_y`` grid: ``grid_y`` is abi.HALVES for a paired launch).
 
         On a machine with one device there is one primary context: launch first, and make it
         current only if the driver refuses (no or another context current). With several
@@ -146,38 +147,38 @@ class DeviceRuntime:
         """
         fn, s = self.functions[name], self.cu_stream(stream)
         if self.sole:
-            (err,) = _driver().cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, s, args_address, 0)
+            (err,) = _driver().cuLaunchKernel(fn, grid, grid_y, 1, block, 1, 1, 0, s, args_address, 0)
             if not err:
                 return
             self._raise_unless_context_error(err, name, grid, block)
-        self._launch_in_context(fn, name, grid, block, s, args_address)
+        self._launch_in_context(fn, name, grid, block, s, args_address, grid_y)
 
-    def launcher(self, name: str, grid: int, block: int, args_address: int):
+    def launcher(self, name: str, grid: int, block: int, args_address: int, grid_y: int = 1):
         """:meth:`launch` bound to one prepacked pointer array: a function ``f(stream)``. On a
         single-device machine its fast path is a dict lookup and one cuLaunchKernel (resolved
         now), with the same fallback on a context error; otherwise it calls :meth:`launch`."""
         if not self.sole:
-            return lambda stream: self.launch(name, grid, block, args_address, stream)
+            return lambda stream: self.launch(name, grid, block, args_address, stream, grid_y)
         fn, cu_launch, streams = self.functions[name], _driver().cuLaunchKernel, self._streams
 
         def launch(stream: int) -> None:
             s = streams.get(stream)
             if s is None:
                 s = self.cu_stream(stream)
-            (err,) = cu_launch(fn, grid, 1, 1, block, 1, 1, 0, s, args_address, 0)
+            (err,) = cu_launch(fn, grid, grid_y, 1, block, 1, 1, 0, s, args_address, 0)
             if err:
                 self._raise_unless_context_error(err, name, grid, block)
-                self._launch_in_context(fn, name, grid, block, s, args_address)
+                self._launch_in_context(fn, name, grid, block, s, args_address, grid_y)
         return launch
 
     def _raise_unless_context_error(self, err, name: str, grid: int, block: int) -> None:
         if int(err) not in _CONTEXT_ERRORS:
             raise DriverError(f"cuLaunchKernel({name}, grid={grid}, block={block})", err.name)
 
-    def _launch_in_context(self, fn, name: str, grid: int, block: int, s, args_address: int) -> None:
+    def _launch_in_context(self, fn, name: str, grid: int, block: int, s, args_address: int, grid_y: int = 1) -> None:
         pushed = self.enter()
         try:
-            (err,) = _driver().cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, 0, s, args_address, 0)
+            (err,) = _driver().cuLaunchKernel(fn, grid, grid_y, 1, block, 1, 1, 0, s, args_address, 0)
         finally:
             self.leave(pushed)
         if int(err) != 0:
@@ -232,19 +233,35 @@ class Launch:
     inside are fixed: replay only while the arrays it was built from are alive and unchanged.
     ``go(stream)`` is the bound launch (``DeviceRuntime.launcher``): hot loops call it directly.
     Fields of ``params`` may be changed between launches (cuLaunchKernel copies the struct).
+    ``grid_y`` > 1: a paired launch (:func:`paired`), whose params hold one struct per half.
     """
 
-    __slots__ = ("rt", "name", "grid", "block", "params", "_ptrs", "address", "stream", "keep", "go")
+    __slots__ = ("rt", "name", "grid", "grid_y", "block", "params", "_ptrs", "address", "stream", "keep", "go")
 
-    def __init__(self, rt: DeviceRuntime, name: str, grid: int, block: int, params, stream: int, keep=()):
+    def __init__(self, rt: DeviceRuntime, name: str, grid: int, block: int, params, stream: int, keep=(),
+                 grid_y: int = 1):
         self.rt, self.name, self.grid, self.block, self.params, self.stream = rt, name, grid, block, params, stream
+        self.grid_y = grid_y
         self._ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(params))
         self.address = ctypes.addressof(self._ptrs)
         self.keep = keep  # the objects owning every pointer in params stay alive with the launch
-        self.go = rt.launcher(name, grid, block, self.address)
+        self.go = rt.launcher(name, grid, block, self.address, grid_y)
 
     def __call__(self, stream: int | None = None) -> None:
         self.go(self.stream if stream is None else stream)
+
+
+def paired(k: Launch, v: Launch) -> Launch | None:
+    """One launch running both ``k`` and ``v`` (the K and V halves of a group, each as its own
+    launch would run; abi.PAIRED, blockIdx.y picks the half), or None when they cannot share one:
+    another kernel or block size, another device or stream, or a kernel with no paired entry point.
+    The params are copied: later changes to ``k.params`` or ``v.params`` do not reach it."""
+    name = abi.PAIRED.get(k.name)
+    if name is None or v.name != k.name or v.block != k.block or v.rt is not k.rt or v.stream != k.stream:
+        return None
+    p = abi.CTYPES[abi.KERNELS[name]]()
+    p.half[0], p.half[1] = k.params, v.params
+    return Launch(k.rt, name, max(k.grid, v.grid), k.block, p, k.stream, (k.keep, v.keep), grid_y=abi.HALVES)
 
 
 def _pick_cubin(cubins: dict[int, bytes], capability: tuple[int, int]) -> int | None:

@@ -26,7 +26,7 @@ from . import abi, backends, ops
 from .errors import KvCanaryError, ValidationError, ValidationTypeError
 from .packing import PackCache, arg_keys
 from .plan import BATCH_FIELD_NAMES, MAX_BATCH_LIMIT, Batch, StepPlan
-from .driver import PER_THREAD_STREAM
+from .driver import PER_THREAD_STREAM, paired
 from .records import CanaryRecords
 from .selftest import SelfTest
 from .reporting import Reporter, RingLedger
@@ -275,21 +275,32 @@ class KvCanary:
             if loc is None:
                 raise ValidationError(f"kv-canary: batch.{'swa_' if g == 'SWA' else ''}out_cache_loc must be given "
                                       f"to stamp the {g} group, got None. Fix: pass the new tokens' slots")
-            first = self.ctx[Key("HEAD", g, grp.resolved_halves()[0], "write")]  # runs the step's serial chain
-            for h in grp.resolved_halves():  # stamp first, then verify: a new token stamped over a slot that
+            halves = grp.resolved_halves()
+            first = self.ctx[Key("HEAD", g, halves[0], "write")]  # runs the step's serial chain
+            # On the device the halves' writes share one launch and so do their verifies (blockIdx.y
+            # the half): HEAD's halves then stamp side by side, each running the chain itself.
+            pair = len(halves) == abi.HALVES and plan.device is not None
+            writes, verifies = [], []
+            for h in halves:  # stamp first, then verify: a new token stamped over a slot that
                 # another request still reads (premature free, a draft landing in a committed slot) is
                 # then caught by this very stage, before the forward reads it (HEAD) or right after (TAIL)
                 vctx, wctx = self.ctx[Key(stage, g, h, "verify")], self.ctx[Key(stage, g, h, "write")]
-                out.append(ops.prepare_write(wctx, plan, batch.input_ids, batch.positions, loc, stream=stream,
-                                             expected_input_ids=batch.expected_input_ids,
-                                             expected_positions=batch.expected_positions,
-                                             chain_from=None if wctx is first else first))
+                chain = None if wctx is first or (pair and stage == "HEAD") else first
+                writes.append(ops.prepare_write(wctx, plan, batch.input_ids, batch.positions, loc, stream=stream,
+                                                expected_input_ids=batch.expected_input_ids,
+                                                expected_positions=batch.expected_positions, chain_from=chain))
                 if self.fused:
-                    out.append(ops.prepare_fused_verify(vctx, batch, plan, check_expected_token=self.check_expected_token,
-                                                        stream=stream, **swa))
+                    verifies.append(ops.prepare_fused_verify(vctx, batch, plan, stream=stream,
+                                                             check_expected_token=self.check_expected_token, **swa))
                 else:
-                    out.append(ops.prepare_verify(vctx, plan, check_expected_token=self.check_expected_token,
-                                                  stream=stream))
+                    verifies.append(ops.prepare_verify(vctx, plan, check_expected_token=self.check_expected_token,
+                                                       stream=stream))
+            if pair:
+                for launches in (writes, verifies):
+                    both = paired(*launches)
+                    out += launches if both is None else [both]
+            else:
+                out += [x for wv in zip(writes, verifies) for x in wv]
         return [launch for launch in out if launch is not None]
 
     def launches_per_step(self) -> int:

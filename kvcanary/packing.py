@@ -69,15 +69,27 @@ def arg_keys(objs) -> tuple[tuple | None, tuple, bool]:
     return (tuple(layouts), alias), tuple(ptrs), fixed
 
 
+def _pointer_fields(params):
+    """(struct, field name) of every pointer field of a params struct and of the structs it holds
+    (the halves of a paired launch: ctypes elements that write through to it)."""
+    for name, ctype in type(params)._fields_:
+        if ctype is ctypes.c_uint64:
+            yield params, name
+        elif issubclass(ctype, ctypes.Array) and issubclass(ctype._type_, ctypes.Structure):
+            for item in getattr(params, name):
+                yield from _pointer_fields(item)
+
+
 def patch_map(launches, ptrs) -> list:
     """(params struct, field name, argument index) of every pointer field of the launches' params
     that holds an argument's address."""
     where = {p: i for i, p in enumerate(ptrs) if p}
     out = []
     for launch in launches:
-        for name, ctype in type(launch.params)._fields_:
-            if ctype is ctypes.c_uint64 and getattr(launch.params, name) in where:
-                out.append((launch.params, name, where[getattr(launch.params, name)]))
+        for params, name in _pointer_fields(launch.params):
+            i = where.get(getattr(params, name))
+            if i is not None:
+                out.append((params, name, i))
     return out
 
 

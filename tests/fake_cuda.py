@@ -41,10 +41,13 @@ class FakeDriver:
         """Execute the queued launches of ``stream`` (all streams when None), in order."""
         for s in [stream] if stream is not None else list(self.pending):
             queue, self.pending[s] = self.pending[s], []
-            for kernel, grid, block, params in queue:
+            for kernel, grid, grid_y, block, params in queue:
                 p = abi.CTYPES[abi.KERNELS[kernel]].from_buffer_copy(params)
                 if self.kernels is not None:
-                    self.kernels.launch(kernel, grid, block, params)
+                    self.kernels.launch(kernel, grid, block, params, grid_y)
+                elif hasattr(p, "half"):  # a paired launch: each half counts its run
+                    for half in p.half:
+                        ctypes.c_int64.from_address(half.kernel_run_counter).value += 1
                 elif kernel == "kvc_snapshot":
                     ctypes.memmove(p.payload, p.status, 8 * p.n)
                     ctypes.c_int64.from_address(p.done).value = p.ticket
@@ -192,7 +195,7 @@ class FakeDriver:
         self.launched.append(fn)
         self.shapes.append((fn, gx, bx))
         if int(stream) not in self.capturing:  # a captured launch runs only on replay
-            self.pending[int(stream)].append((fn, gx, bx, ctypes.string_at(struct_at, size)))
+            self.pending[int(stream)].append((fn, gx, gy, bx, ctypes.string_at(struct_at, size)))
             if self.immediate:
                 self.run(int(stream))
         return (OK,)

@@ -39,7 +39,7 @@ def launched(fake, *kernels):
     kernel; the queue is emptied)."""
     out = {k: [] for k in kernels}
     for s, queue in fake.pending.items():
-        for name, _grid, _block, params in queue:
+        for name, _grid, _grid_y, _block, params in queue:
             if name in out:
                 out[name].append(abi.CTYPES[abi.KERNELS[name]].from_buffer_copy(params))
         fake.pending[s] = []

@@ -132,6 +132,34 @@ def test_one_snapshot_launch_per_step_after_the_step_and_no_other_driver_call(fa
     assert p.done == canary.pump.done.device_ptr + 8 * slot and p.ticket == canary.pump.fifo.tickets[slot]
 
 
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_k_and_v_group_steps_in_paired_launches(fake, fused):
+    """The K and V halves share each write and each fused verify launch (docs/format.md §7): a
+    step of a K + V group is 6 launches, not 10; HEAD V takes no chain source (the same launch
+    stamps HEAD K), TAIL's halves take HEAD K's."""
+    from kvcanary.manager import KvCanary, PoolGroup
+    _, batch, _ = make_canary()
+    canary = KvCanary(PoolGroup(64), device=0, hash_mode="none", max_batch=2, verify_capacity=256, fused=fused)
+    s = stream(fake)
+    step(canary, batch, s)
+    fake.launched.clear()
+    step(canary, batch, s)
+    verify = ["kvc_fused_verify_pair"] if fused else ["kvc_verify", "kvc_verify"]  # no plan verify pair
+    stage = ["kvc_write_pair", *verify]
+    plan = ["kvc_prepare"] if fused else ["kvc_prepare", "kvc_expand"]
+    assert fake.launched == [*plan, *stage, *stage, "kvc_snapshot"]
+    assert canary.launches_per_step() == len(fake.launched)
+    writes = [abi.WritePair.from_buffer_copy(q) for name, _, _, _, q in fake.pending[s] if name == "kvc_write_pair"]
+    head_k = canary.ctx[("HEAD", "FULL", "K", "write")].buffer.array.ptr
+    assert [[h.chain_source for h in w.half] for w in writes[-2:]] == [[0, 0], [head_k, head_k]]
+    assert [[h.tag for h in w.half] for w in writes[-2:]] == [
+        [int(abi.LaunchTag.HEAD_K_FULL), int(abi.LaunchTag.HEAD_V_FULL)],
+        [int(abi.LaunchTag.TAIL_K_FULL), int(abi.LaunchTag.TAIL_V_FULL)]]
+    fake.run()
+    canary.flush()
+    canary.health_check()  # each half counted its own run
+
+
 def test_snapshots_are_taken_in_order_and_skipped_when_the_device_lags(fake):
     canary, batch, _ = make_canary()
     s = stream(fake)

@@ -51,9 +51,10 @@ def _translation_unit() -> str:
     cu = [n for n in read_sources() if n.endswith(".cu")]
     lines = ['#include "cuda_emu.h"', '#include "kvcanary_abi.cuh"', *(f'#include "{n}"' for n in cu)]
     for kernel, struct in abi.KERNELS.items():
-        lines.append(f'extern "C" void emu_{kernel}(const void* params, unsigned grid, unsigned block) {{\n'
+        lines.append(f'extern "C" void emu_{kernel}(const void* params, unsigned grid, unsigned grid_y, '
+                     f'unsigned block) {{\n'
                      f'  {struct} p; std::memcpy(&p, params, sizeof p);\n'
-                     f'  emu::launch(grid, block, [&] {{ {kernel}(p); }});\n}}')
+                     f'  emu::launch(grid, grid_y, block, [&] {{ {kernel}(p); }});\n}}')
     for name in GLOBALS:
         lines.append(f'extern "C" void* emu_global_{name}(unsigned long long* size) '
                      f'{{ *size = sizeof {name}; return (void*)&{name}; }}')
@@ -101,8 +102,8 @@ class Kernels:
             size = ctypes.c_ulonglong()
             self.globals[name] = (fn(ctypes.byref(size)), size.value)
 
-    def launch(self, kernel: str, grid: int, block: int, params: bytes) -> None:
+    def launch(self, kernel: str, grid: int, block: int, params: bytes, grid_y: int = 1) -> None:
         fn = getattr(self.lib, f"emu_{kernel}")
-        fn.restype, fn.argtypes = None, [ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint]
+        fn.restype, fn.argtypes = None, [ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint]
         with self.lock:
-            fn(params, min(int(grid), MAX_BLOCKS), int(block))
+            fn(params, min(int(grid), MAX_BLOCKS), int(grid_y), int(block))

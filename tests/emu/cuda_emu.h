@@ -151,19 +151,20 @@ inline void entry() {
   finish();
 }  // returns to uc_link: the scheduler
 
-// Run `kernel` on grid x block threads (1-D), blocks in order, fibers round-robin.
-inline void launch(unsigned grid, unsigned threads, const std::function<void()>& kernel) {
-  gridDim = {grid, 1, 1};
+// Run `kernel` on a grid x grid_y grid of 1-D blocks of `threads`, blocks in order (x fastest),
+// fibers round-robin.
+inline void launch(unsigned grid, unsigned grid_y, unsigned threads, const std::function<void()>& kernel) {
+  gridDim = {grid, grid_y, 1};
   blockDim = {threads, 1, 1};
   body = &kernel;
-  for (unsigned b = 0; b < grid; ++b) {
+  for (unsigned b = 0; b < grid * grid_y; ++b) {
     Block blk;
     blk.fibers.resize(threads);
     blk.live = (int)threads;
     blk.warps.resize((threads + 31) / 32);
     for (unsigned t = 0; t < threads; ++t) blk.warps[t / 32].live++;
     block = &blk;
-    blockIdx = {b, 0, 0};
+    blockIdx = {b % grid, b / grid, 0};
     for (unsigned t = 0; t < threads; ++t) {
       Fiber& f = blk.fibers[t];
       getcontext(&f.ctx);
