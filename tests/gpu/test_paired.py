@@ -18,8 +18,10 @@ NUM_SLOTS, MAX_LEN, BS = 3000, 160, 24
 
 def batch(rng):
     """A batch over random records: cached prefixes (some past the table: rejected), new tokens
-    (some slots out of range), padding rows."""
-    rtt = rng.integers(1, NUM_SLOTS, (BS + 2, MAX_LEN)).astype(np.int32)
+    (some slots out of range), padding rows. New tokens get distinct slots outside the cached ones:
+    a launch whose requests stamp each other's seed slots stores an unspecified result (§7), which
+    may differ between two launches and one."""
+    rtt = rng.integers(1, NUM_SLOTS // 2, (BS + 2, MAX_LEN)).astype(np.int32)
     rpi = np.arange(1, BS + 1, dtype=np.int64)
     rpi[-3:] = 0
     prefix = rng.integers(0, MAX_LEN - 4, BS).astype(np.int64)
@@ -27,7 +29,7 @@ def batch(rng):
     extend = rng.integers(0, 4, BS).astype(np.int64)
     n = int(extend.sum())
     positions = np.concatenate([np.arange(p, p + e) for p, e in zip(prefix, extend)]).astype(np.int64)
-    loc = rng.integers(1, NUM_SLOTS, n).astype(np.int64)
+    loc = rng.choice(np.arange(NUM_SLOTS // 2, NUM_SLOTS), n, replace=False).astype(np.int64)
     loc[rng.random(n) < 0.05] = NUM_SLOTS + 7
     ids = rng.integers(0, 1 << 20, n).astype(np.int64)
     return dict(req_pool_indices=rpi, prefix_lens=prefix, extend_lens=extend, req_to_token=rtt,
