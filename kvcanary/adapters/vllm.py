@@ -172,9 +172,9 @@ def _torch_req_to_token(block_table, seq_lens, n: int, length: int, block_size: 
     time), same values: the per-column block index and offset are constants of (device, length,
     block size), kept outside graph capture; int64 arithmetic, 0 past each length, one cast."""
     torch = sys.modules["torch"]
-    col_block, col_offset, pos = _columns(torch, block_table.device, length, block_size)
+    col_block, col_offset, pos_row = _columns(torch, block_table.device, length, block_size)
     slots = torch.add(col_offset, block_table[:, col_block], alpha=block_size)  # int64, as blocks * bs + offset
-    slots = slots * (pos[None, :] < seq_lens[:n, None])  # 0 past each request's length
+    slots = slots * (pos_row < _first(seq_lens, n).unsqueeze(1))  # 0 past each request's length
     if out is None:
         out = torch.zeros((n + 1, length), dtype=torch.int32, device=block_table.device)
     out[0].zero_()
@@ -185,23 +185,45 @@ def _torch_req_to_token(block_table, seq_lens, n: int, length: int, block_size: 
 _COLUMNS: OrderedDict = OrderedDict()
 
 
-def _columns(torch, device, length: int, block_size: int):
-    """(pos // block_size, pos % block_size, pos) int64 for pos in [0, length) on ``device``, kept
-    for the 4 most recent (device, current stream, length, block size): used in the stream order
-    of the kernels that filled them, and freed into it. Never under graph capture: a graph must own
-    what it reads (a kept tensor may be dropped while the graph lives), so a capture makes its own."""
+def _kept(torch, device, what: tuple, make):
+    """``make()``'s constant tensors on ``device``, kept for the 4 most recent (device, current
+    stream, ``what``): used in the stream order of the kernels that filled them, and freed into
+    it. Never under graph capture: a graph must own what it reads (a kept tensor may be dropped
+    while the graph lives), so a capture makes its own."""
     cuda = device.type == "cuda"
-    key = (device, torch._C._cuda_getCurrentRawStream(device.index) if cuda else None, length, block_size)
+    key = (device, torch._C._cuda_getCurrentRawStream(device.index) if cuda else None, what)
     capturing = cuda and torch.cuda.is_current_stream_capturing()
-    cols = None if capturing else _COLUMNS.get(key)
-    if cols is None:
-        pos = torch.arange(0, length, dtype=torch.int64, device=device)
-        cols = (pos // block_size, pos % block_size, pos)
+    value = None if capturing else _COLUMNS.get(key)
+    if value is None:
+        value = make()
         if not capturing:
-            _COLUMNS[key] = cols
+            _COLUMNS[key] = value
             while len(_COLUMNS) > 4:
                 _COLUMNS.popitem(last=False)
-    return cols
+    return value
+
+
+def _columns(torch, device, length: int, block_size: int):
+    """(pos // block_size, pos % block_size, pos as a [1, length] row) int64 for pos in [0, length)
+    on ``device``."""
+    def make():
+        pos = torch.arange(0, length, dtype=torch.int64, device=device)
+        return pos // block_size, pos % block_size, pos.unsqueeze(0)
+    return _kept(torch, device, ("columns", length, block_size), make)
+
+
+def _pool_rows(like, n: int):
+    """Request-pool rows 1..n (int64) on the device of ``like``; kept for torch (one launch less per
+    step; the Batch's req_pool_indices, which kvcanary only reads)."""
+    if framework(like) != "torch":
+        return arange(like, 1, n + 1)
+    torch = sys.modules["torch"]
+    return _kept(torch, like.device, ("rows", n), lambda: torch.arange(1, n + 1, dtype=torch.int64, device=like.device))
+
+
+def _first(x, n: int):
+    """``x[:n]``, or ``x`` itself when it has n rows (a slice is a view op: host time on every step)."""
+    return x if x.shape[0] == n else x[:n]
 
 
 def vllm_batch(*, block_table, seq_lens, query_start_loc, slot_mapping, input_ids, positions, block_size: int,
@@ -222,14 +244,14 @@ def vllm_batch(*, block_table, seq_lens, query_start_loc, slot_mapping, input_id
     n = rows if num_reqs is None else integer("num_reqs", num_reqs, lo=0, hi=max(rows, 0),
                                               fix=f"pass at most the {rows} requests the metadata holds")
     optional_integer("num_tokens", num_tokens, lo=0, hi=tokens, fix=f"pass at most the {tokens} tokens given")
-    qsl = astype(query_start_loc[:n + 1], "int64")
+    qsl = astype(_first(query_start_loc, n + 1), "int64")
     extend = qsl[1:] - qsl[:-1]
-    seq = astype(seq_lens[:n], "int64")
-    rtt = block_table_to_req_to_token(block_table[:n], seq, block_size, max_len=max_len, out=req_to_token)
+    seq = astype(_first(seq_lens, n), "int64")
+    rtt = block_table_to_req_to_token(_first(block_table, n), seq, block_size, max_len=max_len, out=req_to_token)
     t = int(input_ids.shape[0]) if num_tokens is None else int(num_tokens)
-    return Batch(arange(seq, 1, n + 1), seq - extend, extend, rtt,
-                 input_ids=astype(input_ids[:t], "int64"), positions=astype(positions[:t], "int64"),
-                 out_cache_loc=astype(slot_mapping[:t], "int64"), expected_input_ids=expected_input_ids,
+    return Batch(_pool_rows(seq, n), seq - extend, extend, rtt,
+                 input_ids=astype(_first(input_ids, t), "int64"), positions=astype(_first(positions, t), "int64"),
+                 out_cache_loc=astype(_first(slot_mapping, t), "int64"), expected_input_ids=expected_input_ids,
                  expected_positions=expected_positions)
 
 
