@@ -6,7 +6,8 @@ layer writes the new token's K and V into its pool at ``out_cache_loc`` and gath
 token through ``req_to_token`` for torch SDPA. The whole step is captured in one CUDA graph, the
 canary's ``before_forward`` / ``after_forward`` inside it (``kvcanary.adapters.sglang_canary``
 over the per-layer K/V buffers), and replayed; its GPU time is measured with CUDA events (no L2
-flush: the step streams gigabytes). Rows: the step without the canary, then its overhead with
+flush: the step streams gigabytes); the canary's added time is the difference of the medians of
+20 rounds with and 20 without it, interleaved. Rows: the step without the canary, then its overhead with
 ``layers="first"`` and ``layers="all"`` (PARTIAL; and all with the fingerprint budget
 ``fingerprint_every=8``, against all every step), bs 1 / 8 x 4096 and 64 / 256 x 2048 cached
 tokens; the ``all`` rows also against the bytes the canary must touch (per verify entry its
@@ -176,7 +177,11 @@ def test_model_decode_step(report, timer, bounds, shape, layers):
     canary.flush()
     assert canary.stats()["violations"] == 0, "the model step must run clean"
     canary.health_check()
-    t0 = timer.gpu_time(graphed(torch, model, step, bs, ctx, None, batch, timer), warmup=3, repeat=20, flush=False)
+    # the added time from rounds of the step with and without the canary interleaved (one after
+    # the other, a clock drift between the two runs of 20 rounds moved bs 64's overhead 0.35 -> 0.55 %)
+    both = timer.gpu_time_interleaved({"with": run, "without": graphed(torch, model, step, bs, ctx, None, batch, timer)},
+                                      warmup=3, repeat=20, flush=False)
+    t, t0 = both["with"], both["without"]
     added = t - t0
     if every:  # the fingerprint budget: identity every step, each token's bytes once every BUDGET steps
         report.row(f"{name}: canary layers=all PARTIAL fingerprint_every={every}, added time", added, "s",

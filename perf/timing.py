@@ -102,6 +102,28 @@ class GpuTimer:
         self.last.update(samples_s=samples, late=self.clock.late)
         return statistics.median(samples)
 
+    def gpu_time_interleaved(self, fns: dict[str, Callable[[int], object]], warmup: int = 3, repeat: int = 20,
+                             flush: bool = True) -> dict[str, float]:
+        """Median GPU seconds of each fn's work, the fns' rounds interleaved so that clock and
+        thermal drift hits all alike: for a small difference of two long times (a canary's
+        overhead in a model step), which rounds timed one fn after the other skew."""
+        gate = 0
+        for fn in fns.values():
+            self.prepare(fn, warmup, flush)
+            gate = max(gate, self.last["gate_ns"])
+        self.clock.configure(per=1, gate_ns=gate)
+        samples: dict[str, list[float]] = {k: [] for k in fns}
+        for _ in range(repeat):
+            for name, fn in fns.items():
+                if flush:
+                    self.flush_l2()
+                self.probes.spin(gate, self.handle)
+                t0 = self.clock()
+                fn(self.handle)
+                samples[name].append(self.clock() - t0)
+        self.last.update(samples_s=samples, late=self.clock.late, gate_ns=gate)
+        return {k: statistics.median(v) for k, v in samples.items()}
+
     def host_time(self, fns: dict[str, Callable[[], object]], batch: int = 200, repeat: int = 30,
                   warmup: int = 3) -> dict[str, float]:
         """Median host seconds per call of each fn, the fns interleaved so drift hits all alike.
