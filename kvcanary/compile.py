@@ -19,7 +19,7 @@ from pathlib import Path
 
 from . import abi
 from ._version import __version__
-from .cache import CubinCache, cache_key, default_dir
+from .cubin_cache import CubinCache, cache_key, default_dir
 from .errors import CompileError, ValidationError
 
 DEFAULT_ARCHS = (80, 86, 89, 90, 100, 120)

@@ -131,7 +131,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     """Run the campaign and the clean run; 0 when every exercised covered injection was caught
     and the clean run reported nothing, 1 otherwise. Bad flags raise ValidationError before any
     work starts."""
-    from .sim import campaign, report
+    from .sim import campaign, output
     from .sim.faults import CLASSES, MODES
     classes = parse_list(args.classes, CLASSES, "--classes", "K1,K5,K12")
     modes = parse_list(args.modes, MODES, "--modes", "partial,all")
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
         check_out_dir(args.out)
     backend = pick_backend(args.backend)
     jobs = campaign.resolve_jobs(args.jobs, backend)
-    progress = report.Progress(None if args.progress == "auto" else args.progress == "on")
+    progress = output.Progress(None if args.progress == "auto" else args.progress == "on")
     print(f"kvcanary demo: {len(classes)} class(es) x {len(modes)} mode(s), {args.injections} injection(s) "
           f"each, backend {backend}" + (f", {jobs} worker processes" if jobs > 1 else ""), file=out, flush=True)
     result = campaign.run_campaign(classes, modes, args.injections, backend=backend, seed=args.seed,
@@ -152,14 +152,14 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     if args.clean_slots > 0:
         clean.append(campaign.clean_run(args.clean_slots, hash_mode=modes[-1], backend=backend,
                                         seed=args.seed, progress=progress, jobs=jobs))
-    print(report.format_table(result, clean), file=out)
+    print(output.format_table(result, clean), file=out)
     if args.out:
-        files = [report.write_json(result, clean, os.path.join(args.out, "campaign.json"))]
-        png = report.heatmap(result, os.path.join(args.out, "campaign.png"))
+        files = [output.write_json(result, clean, os.path.join(args.out, "campaign.json"))]
+        png = output.heatmap(result, os.path.join(args.out, "campaign.png"))
         files.append(png or "(no PNG: pip install matplotlib)")
         print("wrote " + ", ".join(files), file=out)
-    ok = report.passed(result, clean)
-    print(report.result_line(ok), file=out)
+    ok = output.passed(result, clean)
+    print(output.result_line(ok), file=out)
     return 0 if ok else 1
 
 

@@ -82,6 +82,14 @@ def _need_batch(batch, where: str) -> None:
              "(kvcanary.adapters.sglang_batch / vllm_batch)", kind=ValidationTypeError)
 
 
+class _Hot(NamedTuple):
+    """A stage's last step whose batch fields were all packing.IMMUTABLE: those very objects replay
+    their packed launches without a key."""
+
+    fields: tuple
+    packed: Any
+
+
 class Key(NamedTuple):
     """A verify context of the canary: stage (HEAD/TAIL/SWEEP), group (FULL/SWA), half, op."""
 
@@ -187,7 +195,7 @@ class KvCanary:
         self._last = None  # (newest snapshot processed, its meta)
         self._packed = {st: PackCache(LAYOUTS_KEPT) for st in STAGES}  # layout key -> launches, per stage
         self._held = {st: None for st in STAGES}  # the last step's batch fields, per stage
-        self._hot = {st: None for st in STAGES}  # (those fields, their entry) when all are packing.IMMUTABLE
+        self._hot: dict[str, _Hot | None] = {st: None for st in STAGES}
         self._stage_launches = 0
         self._skipped = 0
         first = {g: next(i for i, k in enumerate(self.keys) if k.group == g) for g in self.groups}
@@ -245,8 +253,8 @@ class KvCanary:
         made (DeviceArray, ArrayView: fixed for life) or numbers, replays without a key."""
         fields = tuple(batch.__dict__.values())
         hot = self._hot[stage]
-        if hot is not None and len(fields) == len(hot[0]) and all(map(is_, fields, hot[0])):
-            return hot[1].launches  # the very immutable arrays of the stage's last step
+        if hot is not None and len(fields) == len(hot.fields) and all(map(is_, fields, hot.fields)):
+            return hot.packed.launches  # the very immutable arrays of the stage's last step
         key, ptrs, fixed = arg_keys(fields)
         self._hot[stage] = None
         self._held[stage] = fields  # the last step's arrays stay alive until the next step of the stage
@@ -258,7 +266,7 @@ class KvCanary:
             launches = self._pack(batch, stage, stream)
             entry = cache.put(key, launches, fields, ptrs, BATCH_FIELD_NAMES)
         if fixed:  # every field IMMUTABLE: identity proves their layout and address
-            self._hot[stage] = (fields, entry)
+            self._hot[stage] = _Hot(fields, entry)
         return entry.launches
 
     def _pack(self, batch: Batch, stage: str, stream) -> list:

@@ -30,7 +30,7 @@ from typing import Callable
 import pytest
 
 from .clocks import GPU_CLOCK, REPORTED_CLOCK
-from .report import HARNESS, fmt
+from .results import HARNESS, fmt
 
 ROWS: list[dict] = []
 
@@ -221,7 +221,7 @@ def gpu_name() -> str | None:
 
 
 def pytest_benchmark_update_machine_info(config, machine_info):
-    """Which harness and which GPU (None: no GPU answered) took the numbers: perf/report.py
+    """Which harness and which GPU (None: no GPU answered) took the numbers: perf/results.py
     refuses to let a run without a GPU replace the committed H200 results."""
     machine_info["kvcanary_perf"] = {"harness": HARNESS, "gpu": gpu_name(),
                                      "no_gpu_reason": gpu_unavailable_reason()}

@@ -16,7 +16,7 @@ from kvcanary import demo
 from kvcanary.errors import ValidationError, ValidationTypeError
 from kvcanary.sim import campaign
 from kvcanary.sim.faults import CLASSES, MODES, coverage
-from kvcanary.sim.report import format_table, not_covered_lines, passed, write_json
+from kvcanary.sim.output import format_table, not_covered_lines, passed, write_json
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -220,7 +220,7 @@ def test_reduced_campaign_and_clean_run_on_the_gpu():
 
 def test_heat_map_has_axis_titles_a_colour_bar_and_a_legend(tmp_path):
     pytest.importorskip("matplotlib")
-    from kvcanary.sim.report import heatmap, heatmap_figure
+    from kvcanary.sim.output import heatmap, heatmap_figure
     res = campaign.run_campaign(["K3", "K12"], ["none", "all"], injections=1, seed=4)
     fig = heatmap_figure(res)
     ax, bar = fig.axes                                   # the matrix and its colour bar

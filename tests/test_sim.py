@@ -10,7 +10,7 @@ import pytest
 
 from kvcanary.sim import Engine, SimConfig
 from kvcanary.sim.kvpool import content, scale_content
-from kvcanary.sim.state import seq_keys
+from kvcanary.sim.data import seq_keys
 
 FEATURES = ("prefix_hit_tokens", "prefill_chunks", "drafts_accepted", "drafts_rejected", "finished",
             "offloads", "loads", "swept_slots")

@@ -11,6 +11,6 @@ catches (``python -m kvcanary demo``).
 """
 
 from .engine import Engine, NoFault
-from .state import SimConfig
+from .data import SimConfig
 
 __all__ = ["Engine", "NoFault", "SimConfig"]

@@ -19,9 +19,9 @@ import numpy as np
 from kvcanary.errors import BatchValueError, CanaryViolationError
 from kvcanary.manager import KvCanary, PoolGroup
 
-from .cache import Cache
+from .prefix_cache import Cache
 from .kvpool import Pool, make_specs, sync
-from .state import Lanes, Read, Req, SimConfig, lane_keys, seq_keys
+from .data import Lanes, Read, Req, SimConfig, lane_keys, seq_keys
 
 
 class NoFault:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cache import lcp
+from .prefix_cache import lcp
 from .engine import NoFault
 
 TITLES = {

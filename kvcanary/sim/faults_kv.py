@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..abi import PARTIAL_HASH_BYTES
-from .cache import lcp
+from .prefix_cache import lcp
 from .faults import Fault, chain, running
 
 

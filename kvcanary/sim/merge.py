@@ -22,7 +22,7 @@ import os
 import sys
 
 from ..errors import ValidationError
-from . import campaign, report
+from . import campaign, output
 from .faults import CLASSES, MODES
 
 
@@ -109,15 +109,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{p.prog}: error: {exc}", file=sys.stderr)
         return 2
     os.makedirs(args.out, exist_ok=True)
-    table = report.format_table(result, clean)
-    ok = report.passed(result, clean)
-    table += "\n" + report.result_line(ok)
+    table = output.format_table(result, clean)
+    ok = output.passed(result, clean)
+    table += "\n" + output.result_line(ok)
     with open(os.path.join(args.out, "campaign.txt"), "w") as f:
         f.write(table + "\n")
-    report.write_json(result, clean, os.path.join(args.out, "campaign.json"))
+    output.write_json(result, clean, os.path.join(args.out, "campaign.json"))
     with open(os.path.join(args.out, "campaign-summary.json"), "w") as f:
         json.dump(summary(result, clean), f, indent=1, sort_keys=True, default=str)
-    report.heatmap(result, os.path.join(args.out, "campaign.png"))
+    output.heatmap(result, os.path.join(args.out, "campaign.png"))
     print(table)
     return 0 if ok else 1
 

@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 
-from kvcanary import cache as kcache
+from kvcanary import cubin_cache as kcache
 from kvcanary import compile as kc_compile
 
 BASE = dict(schema="s", kvcanary="0.1", nvrtc=(13, 0), arch=90, options=("-a",), prelude=b"p", sources=(("a.cu", b"x"),))

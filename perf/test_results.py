@@ -1,4 +1,4 @@
-"""perf/report.py on hand-made benchmark JSON (CPU): the table, the --before column and the
+"""perf/results.py on hand-made benchmark JSON (CPU): the table, the --before column and the
 median comparison, where its output goes, and that only an H200 run replaces the committed results."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from . import report
+from . import results as report
 
 
 def bench(rows: list[dict], when: str, commit: str) -> dict:

@@ -12,7 +12,7 @@ import numpy as np
 
 from kvcanary.abi import CHAIN_HEAD
 
-from .state import Entry, HostEntry, Read, Transfer
+from .data import Entry, HostEntry, Read, Transfer
 
 
 def lcp(a: np.ndarray, b: np.ndarray) -> int:
