@@ -162,11 +162,12 @@ class Bounds:
             self._chain[n] = self.timer.gpu_time(lambda s: self.probes.chain(n, s), repeat=15, flush=False)
         return self._chain[n]
 
-    def step(self, w, mode: str, chains: int = 2) -> tuple[float, str]:
-        """(seconds, what) bounding one HEAD + TAIL step of ``w``: the bytes it must touch over the
-        copy bandwidth, or, for long extends, the serial chains the step runs (``chains``: 2 for two
-        independent writes, 1 for the manager, whose later writes take the step's chain from HEAD)."""
-        bound, name = w.step_bytes(mode) / self.copy_bandwidth, "bytes it must touch / copy bw"
+    def step(self, w, mode: str, chains: int = 2, halves: int = 1) -> tuple[float, str]:
+        """(seconds, what) bounding one HEAD + TAIL step of ``w`` over ``halves`` halves: the bytes
+        it must touch over the copy bandwidth, or, for long extends, the serial chains the step runs
+        one after another (``chains``: 2 for two independent writes, 1 for the manager, whose HEAD
+        halves run theirs side by side and whose TAIL takes the step's chain from HEAD)."""
+        bound, name = w.step_bytes(mode, halves) / self.copy_bandwidth, "bytes it must touch / copy bw"
         if w.extend > 1:
             chain = chains * self.chain(w.extend)
             if chain > bound:

@@ -3,7 +3,8 @@
 - The identity-only verify of decode bs 256 x 4096 written with torch GPU ops (gather + splitmix
   on int64 + compare; no ring, no host sync) vs kvcanary's fused verify: target >= 80x faster.
   The torch version must find the workload clean, which checks its hashing against the kernels'.
-- The engine-facing ``kvcanary.manager.KvCanary`` (K half only): ``before_forward`` +
+- The engine-facing ``kvcanary.manager.KvCanary`` (the FULL group's K and V halves over one
+  pool, paired in each launch as the manager runs them): ``before_forward`` +
   ``after_forward`` eager and replayed from a ``torch.cuda.graph``, fused and plan designs,
   plus its host time per eager step vs launches x raw launch floor (target <= 1.3x; launches =
   what the manager counts itself enqueuing per timed step, the pump's snapshot included). (The
@@ -87,7 +88,7 @@ def make_manager(w, mode: str, fused: bool):
     if not all(hasattr(manager, n) for n in ("KvCanary", "PoolGroup")):
         pytest.skip("kvcanary.manager has no KvCanary/PoolGroup")
     sources = [] if mode == "identity" else [kc.RealKvSource(w.pool, 1, w.bytes_per_token)]
-    canary = manager.KvCanary(manager.PoolGroup(w.num_slots, k_sources=sources, halves=("K",)),
+    canary = manager.KvCanary(manager.PoolGroup(w.num_slots, k_sources=sources, v_sources=sources),
                               device=0, hash_mode="none" if mode == "identity" else mode,
                               mode="log", max_batch=w.bs, verify_capacity=max(1, w.entries), fused=fused)
     settle()
@@ -134,11 +135,11 @@ def test_manager_step(report, workloads, timer, bounds, shape, mode, what):
     torch = pytest.importorskip("torch")
     w = workloads.get(*STEP_SHAPES[shape])
     fused = make_manager(w, mode, True)
-    name = f"manager step {mode}, {w.label}"
+    name = f"manager step {mode}, K+V, {w.label}"
     if what != "unfused-graph":
         t = report.gpu(graphed_step(torch, w, fused, timer) if what == "graph" else eager_step(w, fused))
         check_clean(fused)
-        bound, bound_name = bounds.step(w, mode, chains=1)  # TAIL takes the step's chain from HEAD
+        bound, bound_name = bounds.step(w, mode, chains=1, halves=2)  # TAIL takes the step's chain from HEAD
         report.row(f"{name}, {what}", t, "s", bound=bound, bound_name=bound_name,
                    series=f"manager {'step' if w.extend == 1 else 'prefill'} {mode} {what}",
                    size=w.entries + w.new_tokens, target=CHAIN_TARGET if w.extend > 1 else None)
@@ -167,7 +168,7 @@ def test_manager_host_time(report, workloads, timer, bounds, shape, mode):
     t = report.host(counted, batch=10, rounds=15, sync=timer.sync)
     n = (canary.launch_count - n0) / calls[0]  # fewer when the pump skipped
     check_clean(canary)
-    report.row(f"manager step {mode}, {w.label}: host time per eager step", t, "s", bound=n * bounds.launch_floor,
+    report.row(f"manager step {mode}, K+V, {w.label}: host time per eager step", t, "s", bound=n * bounds.launch_floor,
                bound_name=f"{n:.3g} launches per step (counted by the manager, pump snapshot "
                           f"included; {canary.launches_per_step()} nominal) x raw launch floor",
                target=HOST_TARGET if shape.startswith("decode") else None, launches_per_step=n)

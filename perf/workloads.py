@@ -125,10 +125,11 @@ class Workload:
     def prepare_bytes(self) -> int:
         return self.bs * (3 * I64 + RTT + 3 * I64)
 
-    def step_bytes(self, mode: str) -> int:
-        """HEAD (no real KV) + TAIL (``mode``) of one step, K half, with one plan build."""
-        return (self.prepare_bytes() + self.verify_bytes("identity") + self.write_bytes("identity")
-                + self.verify_bytes(mode) + self.write_bytes(mode))
+    def step_bytes(self, mode: str, halves: int = 1) -> int:
+        """HEAD (no real KV) + TAIL (``mode``) of one step of ``halves`` halves (1: K, 2: K and V
+        over the same pool), with one plan build."""
+        return self.prepare_bytes() + halves * (self.verify_bytes("identity") + self.write_bytes("identity")
+                                                + self.verify_bytes(mode) + self.write_bytes(mode))
 
 
 def write(ctx: kc.VerifyContext, plan: kc.StepPlan, batch: kc.Batch, stream: int) -> None:
@@ -205,7 +206,8 @@ class Workloads:
 
 DECODE_256 = (256, 4096, 1)
 DECODE_64 = (64, 4096, 1)
-STEP_SHAPES = {"decode-bs1": (1, 4096, 1), "decode-bs64": (64, 4096, 1), "decode-bs256": DECODE_256,
+STEP_SHAPES = {"decode-bs1": (1, 4096, 1), "decode-bs8x1024": (8, 1024, 1), "decode-bs64": (64, 4096, 1),
+               "decode-bs256": DECODE_256,
                "prefill-32768": (1, 0, 32768), "prefill-8x4096": (8, 0, 4096)}
 
 
