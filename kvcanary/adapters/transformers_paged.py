@@ -279,11 +279,15 @@ class TransformersCanary:
         exp_ids = exp_pos = None
         if self.check_inputs:
             t = int(ids.shape[0])
-            exp = torch.zeros((2, t), dtype=torch.int64)
+            # A copy from pageable memory to a CUDA device waits for the stream (the host stalls
+            # behind the previous step's forward): stage in pinned memory and copy asynchronously.
+            # torch's pinned allocator reuses the block only once the copy is done.
+            cuda = ids.device.type == "cuda"
+            exp = torch.zeros((2, t), dtype=torch.int64, pin_memory=cuda)
             m = min(t, len(pending.ids))
             exp[0, :m] = torch.tensor(pending.ids[:m], dtype=torch.int64)
             exp[1, :m] = torch.tensor(pending.positions[:m], dtype=torch.int64)
-            exp = exp.to(ids.device)
+            exp = exp.to(ids.device, non_blocking=cuda)
             exp_ids, exp_pos = exp[0], exp[1]
         return Batch(torch.arange(1, n + 1, device=cu_q.device), prefix, extend, rtt, input_ids=ids,
                      positions=pos, out_cache_loc=self.layout.to_slots(write), expected_input_ids=exp_ids,
