@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+from collections import OrderedDict
 from typing import Sequence
 
 import numpy as np
@@ -159,6 +160,32 @@ def astype(x, dtype: str):
         want = getattr(sys.modules["torch"], dtype)
         return x if x.dtype is want else x.to(want)
     return x if x.dtype == np.dtype(dtype) else x.astype(dtype)
+
+
+_KEPT: OrderedDict = OrderedDict()
+KEPT = 8  # constant tensors kept (least recently used dropped first)
+
+
+def kept_tensors(device, what: tuple, make):
+    """``make()``'s constant torch tensors on torch ``device``, kept for the :data:`KEPT`
+    most recent (device, current stream, ``what``): used in the stream order of the kernels that
+    filled them, and freed into it. Never under graph capture: a graph must own what it reads (a
+    kept tensor may be dropped while the graph lives), so a capture makes its own. Whoever gets
+    them only reads them (they go into a Batch, which kvcanary only reads)."""
+    torch = sys.modules["torch"]
+    cuda = device.type == "cuda"
+    key = (device, torch._C._cuda_getCurrentRawStream(device.index) if cuda else None, what)
+    capturing = cuda and torch.cuda.is_current_stream_capturing()
+    value = None if capturing else _KEPT.get(key)
+    if value is None:
+        value = make()
+        if not capturing:
+            _KEPT[key] = value
+            while len(_KEPT) > KEPT:
+                _KEPT.popitem(last=False)
+    else:
+        _KEPT.move_to_end(key)
+    return value
 
 
 def full_like(x, value: int):

@@ -23,10 +23,18 @@ from __future__ import annotations
 from ..errors import ValidationError
 from ..plan import Batch
 from ..validate import integer
-from .common import arange, astype, full_like, require_attr, where, zeros
+from .common import arange, astype, framework, full_like, kept_tensors, require_attr, where, zeros
 
 _FIX = "pass the ForwardBatch the model runner forwards (SGLang's forward_batch_info.ForwardBatch)"
 _EXTEND_MODES = ("EXTEND", "MIXED", "SPLIT_PREFILL")
+
+
+def _ones(seq):
+    """A decode step's extend lengths: int64 ones like ``seq``, a kept tensor for torch (one launch
+    less per step)."""
+    if framework(seq) != "torch":
+        return full_like(seq, 1)
+    return kept_tensors(seq.device, ("ones", int(seq.shape[0])), lambda: full_like(seq, 1))
 
 
 def _lengths(fb, seq):
@@ -34,7 +42,7 @@ def _lengths(fb, seq):
     mode = require_attr(fb, "forward_mode", "the ForwardBatch", _FIX)
     name = getattr(mode, "name", str(mode))
     if name in ("DECODE", "IDLE"):
-        return seq - 1, full_like(seq, 1)
+        return seq - 1, _ones(seq)
     if name == "TARGET_VERIFY":
         spec = require_attr(fb, "spec_info", "a TARGET_VERIFY ForwardBatch", _FIX)
         what = f"the TARGET_VERIFY spec_info ({type(spec).__name__})"

@@ -22,7 +22,6 @@ reads it.
 from __future__ import annotations
 
 import sys
-from collections import OrderedDict
 
 import numpy as np
 
@@ -33,7 +32,7 @@ from ..plan import Batch
 from ..sources import resolved
 from ..validate import boolean, fail, integer, is_int, optional_integer
 from .common import (arange, astype, canary_kwargs, check_sizes, device_ordinal, framework, is_plain_int_tensor,
-                     require_attr, select_layers, where, zeros)
+                     kept_tensors, require_attr, select_layers, where, zeros)
 from .vllm_layout import detect
 
 
@@ -182,34 +181,13 @@ def _torch_req_to_token(block_table, seq_lens, n: int, length: int, block_size: 
     return out
 
 
-_COLUMNS: OrderedDict = OrderedDict()
-
-
-def _kept(torch, device, what: tuple, make):
-    """``make()``'s constant tensors on ``device``, kept for the 4 most recent (device, current
-    stream, ``what``): used in the stream order of the kernels that filled them, and freed into
-    it. Never under graph capture: a graph must own what it reads (a kept tensor may be dropped
-    while the graph lives), so a capture makes its own."""
-    cuda = device.type == "cuda"
-    key = (device, torch._C._cuda_getCurrentRawStream(device.index) if cuda else None, what)
-    capturing = cuda and torch.cuda.is_current_stream_capturing()
-    value = None if capturing else _COLUMNS.get(key)
-    if value is None:
-        value = make()
-        if not capturing:
-            _COLUMNS[key] = value
-            while len(_COLUMNS) > 4:
-                _COLUMNS.popitem(last=False)
-    return value
-
-
 def _columns(torch, device, length: int, block_size: int):
     """(pos // block_size, pos % block_size, pos as a [1, length] row) int64 for pos in [0, length)
     on ``device``."""
     def make():
         pos = torch.arange(0, length, dtype=torch.int64, device=device)
         return pos // block_size, pos % block_size, pos.unsqueeze(0)
-    return _kept(torch, device, ("columns", length, block_size), make)
+    return kept_tensors(device, ("columns", length, block_size), make)
 
 
 def _pool_rows(like, n: int):
@@ -218,7 +196,7 @@ def _pool_rows(like, n: int):
     if framework(like) != "torch":
         return arange(like, 1, n + 1)
     torch = sys.modules["torch"]
-    return _kept(torch, like.device, ("rows", n), lambda: torch.arange(1, n + 1, dtype=torch.int64, device=like.device))
+    return kept_tensors(like.device, ("rows", n), lambda: torch.arange(1, n + 1, dtype=torch.int64, device=like.device))
 
 
 def _first(x, n: int):
