@@ -10,4 +10,4 @@ args=()
 if [[ $what == metrics:* ]]; then args=(--metrics "${what#metrics:}" --csv); else for s in $what; do args+=(--section "$s"); done; fi
 ncu --target-processes all -k "regex:$regex" --launch-count "${NCU_LAUNCHES:-40}" "${args[@]}" \
   python3 -m pytest perf -q -p no:cacheprovider --benchmark-disable -k "$k" > "$out" 2>&1
-echo "ncu $k: exit $? ($(grep -c '^  [a-z]' "$out") lines; $(tail -1 "$out" | cut -c1-120))"
+echo "ncu $k: exit $? ($out: $(wc -l <"$out") lines)"
