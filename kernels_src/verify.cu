@@ -101,19 +101,26 @@ __device__ __forceinline__ T kvc_from_prev_entry(const T* x, int v) {
 // `fp[v]`: entry v's real KV is fingerprinted and compared (the fingerprint budget, §6.1).
 // Every lane of the warp must call it (shuffles).
 // How a verify kernel fingerprints: one source's strips per lane (narrow), many sources batched per
-// lane (many), or a warp's strips fetched together (wide).
-enum KvcFold { KVC_FOLD_NARROW, KVC_FOLD_MANY, KVC_FOLD_WIDE };
+// lane (many), a warp's strips fetched together (wide), or not at all: the caller's fingerprints
+// (given; the block-spread *_many fold).
+enum KvcFold { KVC_FOLD_NARROW, KVC_FOLD_MANY, KVC_FOLD_WIDE, KVC_FOLD_GIVEN };
+
+// A held entry whose record the tile loads: its slot is one of the canary buffer's (not padding).
+template <class P>
+__device__ __forceinline__ bool kvc_tile_owns(const P& p, bool held, long long slot) {
+  return held && slot > 0 && slot < p.num_slots;
+}
 
 template <int VT, int FOLD, class P>
 __device__ __forceinline__ void kvc_verify_tile(const P& p, const long long* slot, const long long* prev,
                                                 const long long* etok, const long long* epos, const bool* held,
                                                 const bool* live, const bool* nb_prev, const bool* fp, bool check,
-                                                KvcWideStage* stage) {
+                                                KvcWideStage* stage, const uint64_t* given = nullptr) {
   const bool vec = (p.slot_stride_words & 1) == 0 && (unsigned long long)p.canary % sizeof(longlong2) == 0;
   bool own[VT], direct[VT];  // loads this entry's record; loads the predecessor's record itself
 #pragma unroll
   for (int v = 0; v < VT; ++v) {
-    own[v] = held[v] && slot[v] > 0 && slot[v] < p.num_slots;
+    own[v] = kvc_tile_owns(p, held[v], slot[v]);
     direct[v] = live[v] && own[v] && prev[v] > 0 && prev[v] < p.num_slots && !nb_prev[v];
   }
   KvcRecord rec[VT];
@@ -132,7 +139,8 @@ __device__ __forceinline__ void kvc_verify_tile(const P& p, const long long* slo
 #pragma unroll
   for (int v = 0; v < VT; ++v) {
     const bool hashed = own[v] && live[v] && fp[v];
-    if (FOLD == KVC_FOLD_WIDE) rkv[v] = kvc_fingerprint_warp(p, slot[v], hashed, stage[threadIdx.x >> 5]);
+    if (FOLD == KVC_FOLD_GIVEN) rkv[v] = given[v];
+    else if (FOLD == KVC_FOLD_WIDE) rkv[v] = kvc_fingerprint_warp(p, slot[v], hashed, stage[threadIdx.x >> 5]);
     else if (FOLD == KVC_FOLD_MANY) rkv[v] = hashed ? kvc_fingerprint_many(p, slot[v]) : 0;
     else rkv[v] = hashed ? kvc_fingerprint_narrow(p, slot[v]) : 0;
   }
@@ -262,9 +270,159 @@ __device__ __forceinline__ void kvc_check_entry_counts(const B& p) {
   }
 }
 
+// The fingerprint budget (§6.1): with every = N > 1, an entry's real KV is checked when its
+// position is the phase mod N (phase: the counter's value mod N, the same in every thread: the
+// counter is advanced by an earlier launch) or one of its request's last N verified positions.
+struct KvcBudget {
+  unsigned every, phase;
+};
+
+// The entries of the warp tile starting at entry `first` (lane l holds first - 1 + v * 32 + l),
+// derived from the batch (§8) as kvc_verify_tile takes them; entries that are not their request's
+// in this batch are counted in `skipped`. Every lane of the warp must call it (shuffles, votes).
+template <int VT>
+__device__ __forceinline__ void kvc_fused_tile(const KvcFusedVerifyParams& p, long long first, long long active,
+                                               KvcBudget budget, long long* slot, long long* prev, long long* etok,
+                                               long long* epos, bool* held, bool* live, bool* inner, bool* fp,
+                                               unsigned* skipped) {
+  constexpr int kVerified = KvcTiles<VT>::kVerified;
+  const int lane = threadIdx.x & 31;
+  const long long last = (active - first > kVerified ? first + kVerified : active) - 1;
+  int r_first, r_last;  // owners of the tile's first and last held entries
+  kvc_owner2_warp(p, first > 0 ? first - 1 : 0, last, &r_first, &r_last);
+  if (r_last < r_first) r_last = r_first;  // offsets that decrease (device garbage): search them all
+  const KvcFusedReq q_first = kvc_fused_req(p, r_first);
+#pragma unroll
+  for (int v = 0; v < VT; ++v) {  // every index load of the tile first
+    const int i = v * 32 + lane;
+    const long long e = first - 1 + i;
+    const long long at = e >= 0 && e < active ? e : last;
+    int r = r_first;
+    KvcFusedReq q = q_first;
+    if (r_first != r_last) {
+      r = (int)kvc_owner_in(p, at, r_first, r_last + 1);
+      if (r != r_first) q = kvc_fused_req(p, r);
+    }
+    const long long k = at - q.off;
+    const bool ok = k >= 0 && k < q.n;  // an entry of request r in this batch: its row and position are valid
+    held[v] = e >= 0 && e < active && ok;
+    live[v] = held[v] && i > 0;
+    *skipped += e >= 0 && e < active && i > 0 && !ok;
+    const long long pos = q.lo + (ok ? k : 0);
+    inner[v] = live[v] && k > 0;  // the entry held before is this request's pos - 1 (a required predecessor)
+    const long long raw = ok ? (long long)q.rtt_row[pos] : 0;
+    slot[v] = ok ? kvc_map_slot(p, raw) : 0;
+    prev[v] = KVC_CHAIN_HEAD;
+    if (live[v] && !inner[v] && pos > 0) prev[v] = kvc_map_slot(p, (long long)q.rtt_row[pos - 1]);
+    etok[v] = live[v] ? kvc_expected_token(p, r, q.row, pos) : KVC_NO_EXPECTED_TOKEN;
+    epos[v] = pos;
+    // pos < rtt_max_len (an int) for a live entry: the 32-bit remainder is exact
+    fp[v] = budget.every == 1 || (unsigned)pos % budget.every == budget.phase ||
+            pos + (long long)budget.every >= q.lo + q.n;
+  }
+#pragma unroll
+  for (int v = 0; v < VT; ++v) {
+    const long long nb = kvc_from_prev_entry<VT>(slot, v);
+    if (inner[v]) prev[v] = nb;
+    if (prev[v] == KVC_PREV_ON_PADDING) prev[v] = KVC_SWA_UNMAPPED;  // a map value colliding with the marker
+    if (inner[v] && prev[v] == KVC_PADDING_SLOT) prev[v] = KVC_PREV_ON_PADDING;
+  }
+}
+
+// What a block of a *_many fused verify shares when it spreads a tile over several warps: the
+// entry count (one value for the whole block, whatever device memory holds), the slots each
+// tile fingerprints (KVC_NO_SLOT: none) and one fold per (tile, source) strip, h[tile * sources + s][entry].
+template <int VT>
+struct KvcManyStage {
+  long long active;
+  long long slot[KVC_MANY_SPREAD_TILES][32 * VT];
+  uint64_t h[KVC_MANY_SPREAD_STRIPS][32 * VT];
+};
+
+// Warp tiles each on its own warp (§6 steps 2-3; FOLD: how each lane fingerprints its entries).
 template <int VT, int FOLD>
-__device__ __forceinline__ void kvc_verify_fused(const KvcFusedVerifyParams& p, KvcWideStage* stage) {
-  const long long active = kvc_verify_begin(p, p.verify_enable, p.verify_num_valid, p.verify_capacity);
+__device__ __forceinline__ void kvc_fused_warp_tiles(const KvcFusedVerifyParams& p, long long active,
+                                                     KvcBudget budget, bool check, KvcWideStage* stage) {
+  const KvcTiles<VT> t;
+  unsigned skipped = 0;
+  for (long long first = t.first; first < active; first += t.step) {
+    long long slot[VT], prev[VT], etok[VT], epos[VT];
+    bool held[VT], live[VT], inner[VT], fp[VT];
+    kvc_fused_tile<VT>(p, first, active, budget, slot, prev, etok, epos, held, live, inner, fp, &skipped);
+    kvc_verify_tile<VT, FOLD>(p, slot, prev, etok, epos, held, live, inner, fp, check, stage);
+  }
+  kvc_warp_count(p.skip_counter, skipped);
+}
+
+// Warp tiles of many sources spread over the block, for a step with few tiles per block (small
+// batches): `tiles` tiles at once, each on warps/tiles warps. The tile's first warp derives its
+// entries; every warp of the tile folds the strips of its share of the sources (source s on warp
+// s mod warps-per-tile), one fold per lane and entry in shared memory; the first warp folds the
+// per-source values in source order (§3) and verifies. Every thread of the block must call it,
+// with the same `active` and `tiles` (it synchronises the block).
+template <int VT>
+__device__ __forceinline__ void kvc_fused_spread_tiles(const KvcFusedVerifyParams& p, long long active, int tiles,
+                                                       KvcBudget budget, bool check, KvcManyStage<VT>& st) {
+  constexpr int kVerified = KvcTiles<VT>::kVerified;
+  const int lane = threadIdx.x & 31, per_tile = (int)(blockDim.x >> 5) / tiles;
+  const int tile = (int)(threadIdx.x >> 5) / per_tile, rank = (int)(threadIdx.x >> 5) % per_tile;
+  const int sources = p.num_sources;
+  unsigned skipped = 0;
+  for (long long base = (long long)blockIdx.x * tiles; base * kVerified < active; base += (long long)gridDim.x * tiles) {
+    const long long first = (base + tile) * kVerified;
+    const bool mine = first < active, lead = mine && rank == 0;
+    long long slot[VT], prev[VT], etok[VT], epos[VT];
+    bool held[VT], live[VT], inner[VT], fp[VT];
+    if (lead) {
+      kvc_fused_tile<VT>(p, first, active, budget, slot, prev, etok, epos, held, live, inner, fp, &skipped);
+#pragma unroll
+      for (int v = 0; v < VT; ++v)
+        st.slot[tile][v * 32 + lane] = kvc_tile_owns(p, held[v], slot[v]) && live[v] && fp[v] ? slot[v] : KVC_NO_SLOT;
+    }
+    __syncthreads();  // the tile's slots are published
+    if (mine) {
+      for (int s = rank; s < sources; s += per_tile) {
+#pragma unroll
+        for (int v = 0; v < VT; ++v) {
+          const long long at = st.slot[tile][v * 32 + lane];
+          st.h[tile * sources + s][v * 32 + lane] = at >= 0 ? kvc_fold_strip(p.sources[s], at) : 0;
+        }
+      }
+    }
+    __syncthreads();  // every strip of the tile is folded (and the slots are read before the next round)
+    if (lead) {
+      uint64_t rkv[VT];
+#pragma unroll
+      for (int v = 0; v < VT; ++v) {
+        uint64_t total = 0;
+        for (int s = 0; s < sources; ++s) total = kvc_sm(total ^ st.h[tile * sources + s][v * 32 + lane]);
+        rkv[v] = total;
+      }
+      kvc_verify_tile<VT, KVC_FOLD_GIVEN>(p, slot, prev, etok, epos, held, live, inner, fp, check, nullptr, rkv);
+    }
+  }
+  kvc_warp_count(p.skip_counter, skipped);
+}
+
+// Tiles a *_many block spreads its warps over: the fewest (a power of two) that cover every tile
+// of the step in one round of the grid, with their strip folds fitting the stage; 0 when none
+// does (each warp verifies its own tiles). The same in every thread of the block.
+__device__ __forceinline__ int kvc_spread_tiles(long long active, long long verified_per_tile, int sources) {
+  const long long tiles = (active + verified_per_tile - 1) / verified_per_tile;
+  for (int t = 1; t <= KVC_MANY_SPREAD_TILES; t *= 2)
+    if ((long long)t * sources <= KVC_MANY_SPREAD_STRIPS && tiles <= (long long)t * gridDim.x) return t;
+  return 0;
+}
+
+template <int VT, int FOLD>
+__device__ __forceinline__ void kvc_verify_fused(const KvcFusedVerifyParams& p, KvcWideStage* stage,
+                                                 KvcManyStage<VT>* many = nullptr) {
+  long long active = kvc_verify_begin(p, p.verify_enable, p.verify_num_valid, p.verify_capacity);
+  if (FOLD == KVC_FOLD_MANY) {  // one entry count for the whole block: its barriers depend on it
+    if (threadIdx.x == 0) many->active = active;
+    __syncthreads();
+    active = many->active;
+  }
   if (active < 0) return;  // disabled: the same in every thread
   if (p.batch_size <= 0) {  // no request owns any entry: all skipped
     if (blockIdx.x == 0 && threadIdx.x == 0 && active > 0 && p.skip_counter != 0)
@@ -273,60 +431,16 @@ __device__ __forceinline__ void kvc_verify_fused(const KvcFusedVerifyParams& p, 
   }
   kvc_check_entry_counts(p);
   const bool check = p.check_expected_token != 0;
-  // The fingerprint budget (§6.1): with every = N > 1, an entry's real KV is checked when its
-  // position is the phase mod N (phase: the counter's value mod N, the same in every thread: the
-  // counter is advanced by an earlier launch) or one of its request's last N verified positions.
   const unsigned every = p.fingerprint_every > 1 ? (unsigned)p.fingerprint_every : 1u;
-  const unsigned phase = every > 1 && p.fingerprint_phase != 0 ? (unsigned)(*p.fingerprint_phase % every) : 0u;
-  const int lane = threadIdx.x & 31;
-  constexpr int kVerified = KvcTiles<VT>::kVerified;
-  const KvcTiles<VT> t;
-  unsigned skipped = 0;
-  for (long long first = t.first; first < active; first += t.step) {
-    const long long last = (active - first > kVerified ? first + kVerified : active) - 1;
-    int r_first, r_last;  // owners of the tile's first and last held entries
-    kvc_owner2_warp(p, first > 0 ? first - 1 : 0, last, &r_first, &r_last);
-    if (r_last < r_first) r_last = r_first;  // offsets that decrease (device garbage): search them all
-    const KvcFusedReq q_first = kvc_fused_req(p, r_first);
-    long long slot[VT], prev[VT], etok[VT], epos[VT];
-    bool held[VT], live[VT], inner[VT], fp[VT];
-#pragma unroll
-    for (int v = 0; v < VT; ++v) {  // every index load of the tile first
-      const int i = v * 32 + lane;
-      const long long e = first - 1 + i;
-      const long long at = e >= 0 && e < active ? e : last;
-      int r = r_first;
-      KvcFusedReq q = q_first;
-      if (r_first != r_last) {
-        r = (int)kvc_owner_in(p, at, r_first, r_last + 1);
-        if (r != r_first) q = kvc_fused_req(p, r);
-      }
-      const long long k = at - q.off;
-      const bool ok = k >= 0 && k < q.n;  // an entry of request r in this batch: its row and position are valid
-      held[v] = e >= 0 && e < active && ok;
-      live[v] = held[v] && i > 0;
-      skipped += e >= 0 && e < active && i > 0 && !ok;
-      const long long pos = q.lo + (ok ? k : 0);
-      inner[v] = live[v] && k > 0;  // the entry held before is this request's pos - 1 (a required predecessor)
-      const long long raw = ok ? (long long)q.rtt_row[pos] : 0;
-      slot[v] = ok ? kvc_map_slot(p, raw) : 0;
-      prev[v] = KVC_CHAIN_HEAD;
-      if (live[v] && !inner[v] && pos > 0) prev[v] = kvc_map_slot(p, (long long)q.rtt_row[pos - 1]);
-      etok[v] = live[v] ? kvc_expected_token(p, r, q.row, pos) : KVC_NO_EXPECTED_TOKEN;
-      epos[v] = pos;
-      // pos < rtt_max_len (an int) for a live entry: the 32-bit remainder is exact
-      fp[v] = every == 1 || (unsigned)pos % every == phase || pos + (long long)every >= q.lo + q.n;
+  const KvcBudget budget{every, every > 1 && p.fingerprint_phase != 0 ? (unsigned)(*p.fingerprint_phase % every) : 0u};
+  if (FOLD == KVC_FOLD_MANY) {
+    const int tiles = kvc_spread_tiles(active, KvcTiles<VT>::kVerified, p.num_sources);
+    if (tiles > 0) {
+      kvc_fused_spread_tiles<VT>(p, active, tiles, budget, check, *many);
+      return;
     }
-#pragma unroll
-    for (int v = 0; v < VT; ++v) {
-      const long long nb = kvc_from_prev_entry<VT>(slot, v);
-      if (inner[v]) prev[v] = nb;
-      if (prev[v] == KVC_PREV_ON_PADDING) prev[v] = KVC_SWA_UNMAPPED;  // a map value colliding with the marker
-      if (inner[v] && prev[v] == KVC_PADDING_SLOT) prev[v] = KVC_PREV_ON_PADDING;
-    }
-    kvc_verify_tile<VT, FOLD>(p, slot, prev, etok, epos, held, live, inner, fp, check, stage);
   }
-  kvc_warp_count(p.skip_counter, skipped);
+  kvc_fused_warp_tiles<VT, FOLD>(p, active, budget, check, stage);
 }
 
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_VERIFY_BLOCKS_PER_SM)
@@ -352,7 +466,8 @@ kvc_fused_verify(const __grid_constant__ KvcFusedVerifyParams p) {
 
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_MANY_VERIFY_MIN_BLOCKS)
 kvc_fused_verify_many(const __grid_constant__ KvcFusedVerifyParams p) {
-  kvc_verify_fused<KVC_VT, KVC_FOLD_MANY>(p, nullptr);
+  __shared__ KvcManyStage<KVC_VT> many;
+  kvc_verify_fused<KVC_VT, KVC_FOLD_MANY>(p, nullptr, &many);
 }
 
 extern "C" __global__ void __launch_bounds__(KVC_WIDE_VERIFY_THREADS)
@@ -370,7 +485,8 @@ kvc_fused_verify_pair(const __grid_constant__ KvcFusedVerifyPair p) {
 
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_MANY_VERIFY_MIN_BLOCKS)
 kvc_fused_verify_many_pair(const __grid_constant__ KvcFusedVerifyPair p) {
-  if (blockIdx.y < KVC_HALVES) kvc_verify_fused<KVC_VT, KVC_FOLD_MANY>(p.half[blockIdx.y], nullptr);
+  __shared__ KvcManyStage<KVC_VT> many;
+  if (blockIdx.y < KVC_HALVES) kvc_verify_fused<KVC_VT, KVC_FOLD_MANY>(p.half[blockIdx.y], nullptr, &many);
 }
 
 extern "C" __global__ void __launch_bounds__(KVC_WIDE_VERIFY_THREADS)

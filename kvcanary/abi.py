@@ -56,6 +56,8 @@ VERIFY_MIN_BLOCKS = 4        # blocks per SM the narrow verify kernels are compi
 MANY_SOURCES = 4             # sources (short strips) from which the *_many verifies batch their loads
 SOURCE_BATCH = 8             # sources whose first pieces a *_many verify loads before folding any
 MANY_VERIFY_MIN_BLOCKS = 2   # blocks per SM the *_many verifies are compiled for (the batch's registers)
+MANY_SPREAD_TILES = 4        # most warp tiles a block of a *_many fused verify spreads its warps over at once
+MANY_SPREAD_STRIPS = 64      # (tile, source) strip folds its shared memory holds: tiles x sources <= this
 WIDE_HASH_BYTES = 64         # a source fingerprinting this many bytes per slot selects the *_wide verifies
 STRIP_PIECE_BYTES = 16       # fingerprints load strips in 16-byte pieces (hash_bytes is a multiple)
 STRIP_BATCH = 8              # pieces of one strip kvc_fold_strip loads before folding any (128 bytes in flight)
@@ -473,6 +475,7 @@ def constants() -> dict[str, int]:
         "KVC_WIDE_VERIFY_THREADS": WIDE_VERIFY_THREADS, "KVC_VERIFY_LANE_ENTRIES": VERIFY_LANE_ENTRIES,
         "KVC_VERIFY_MIN_BLOCKS": VERIFY_MIN_BLOCKS, "KVC_MANY_SOURCES": MANY_SOURCES,
         "KVC_SOURCE_BATCH": SOURCE_BATCH, "KVC_MANY_VERIFY_MIN_BLOCKS": MANY_VERIFY_MIN_BLOCKS,
+        "KVC_MANY_SPREAD_TILES": MANY_SPREAD_TILES, "KVC_MANY_SPREAD_STRIPS": MANY_SPREAD_STRIPS,
         "KVC_WIDE_HASH_BYTES": WIDE_HASH_BYTES, "KVC_STRIP_PIECE_BYTES": STRIP_PIECE_BYTES,
         "KVC_STRIP_BATCH": STRIP_BATCH, "KVC_WIDE_PIECES": WIDE_PIECES, "KVC_WIDE_DEPTH": WIDE_DEPTH,
         "KVC_FULL_MASK": FULL_MASK, "KVC_NO_SLOT": NO_SLOT, "KVC_NO_REQUEST": NO_REQUEST,
@@ -499,7 +502,8 @@ def constants() -> dict[str, int]:
 # Constants the kernels use in 32-bit int arithmetic (loop bounds and strides over int counters,
 # shared-memory array extents, template arguments): emitted as int, so that code stays 32-bit.
 # Every other constant is a long long (unsigned long long past INT64_MAX).
-INT_CONSTANTS = frozenset({"KVC_STRIP_BATCH", "KVC_WIDE_PIECES", "KVC_WIDE_DEPTH"})
+INT_CONSTANTS = frozenset({"KVC_STRIP_BATCH", "KVC_WIDE_PIECES", "KVC_WIDE_DEPTH", "KVC_MANY_SPREAD_TILES",
+                           "KVC_MANY_SPREAD_STRIPS"})
 
 
 def _c_literal(value: int, name: str = "") -> str:

@@ -70,10 +70,11 @@ def engines(draw, *, swa: bool | None = None):
     """The canary's side: buffer (random bytes), sources and hash mode, SWA pool sizes, assert flag."""
     rng = np.random.default_rng(draw(seeds))
     num_slots = draw(sizes(1, 40))
-    kind = draw(st.sampled_from(["none", "partial", "all", "wide"]))
+    kind = draw(st.sampled_from(["none", "partial", "all", "wide", "many"]))
     sources = []
-    if kind != "none":
-        for k in range(draw(st.integers(1, 2))):
+    if kind != "none":  # "many": the *_many verifies (MANY_SOURCES or more short strips, ALL)
+        count = draw(st.integers(abi.MANY_SOURCES, abi.MANY_SOURCES + 3)) if kind == "many" else draw(st.integers(1, 2))
+        for k in range(count):
             page = draw(st.sampled_from([1, 2, 3, 16]))
             bpt = 64 if kind == "wide" and k == 0 else draw(st.sampled_from([16, 32, 48, 80]))
             reads = [r for r in (16, 32, 48, 64, 80) if r <= bpt and (kind != "all" or r < abi.WIDE_HASH_BYTES)]

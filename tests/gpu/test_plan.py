@@ -250,6 +250,76 @@ def test_verify_at_batch_edges(bs, swa):
                                                                swa, engine=engine)
 
 
+def spread_tiles(active: int, sources: int, grid: int) -> int:
+    """How a block of the fused *_many verify takes a step (verify.cu, written from the kernel's
+    comment): the fewest tiles a block spreads its warps over, 1, 2 or 4, that cover the step's
+    warp tiles in one round of the grid with tiles x sources strip folds fitting the stage; 0: a
+    warp per tile."""
+    tiles = -(-active // (32 * abi.VERIFY_LANE_ENTRIES - 1))
+    for t in (1, 2, 4):
+        if t * sources <= abi.MANY_SPREAD_STRIPS and tiles <= t * grid:
+            return t
+    return 0
+
+
+def many_source_state(seed, requests: int, length: int, sources: list):
+    """``requests`` requests of ``length`` cached tokens on random slots, stamped by the reference
+    write over ``sources``, then a few record bits and KV bytes of read slots flipped."""
+    rng = np.random.default_rng(seed)
+    num_slots = requests * length + 64
+    rtt = np.zeros((requests + 1, length), np.int32)
+    rtt[1:] = rng.permutation(np.arange(1, num_slots))[:requests * length].reshape(requests, length)
+    pools = [rng.integers(0, 256, (-(-num_slots // page), page * bpt), dtype=np.uint8) for page, bpt, _ in sources]
+    srcs = lambda ps: [kc.RealKvSource(p, page, bpt, rb) for p, (page, bpt, rb) in zip(ps, sources)]  # noqa: E731
+    canary = np.zeros((num_slots, 32), np.uint8)
+    ctx = kc.VerifyContext(kc.CanaryBuffer(canary), kc.ViolationSink.allocate(1 << 12), abi.LaunchTag.TAIL_K_FULL,
+                           srcs(pools), abi.HashMode.PARTIAL)
+    rpi, lens = np.arange(1, requests + 1, dtype=np.int64), np.full(requests, length, np.int64)
+    stamp = kc.Batch(req_pool_indices=rpi, prefix_lens=np.zeros(requests, np.int64), extend_lens=lens,
+                     req_to_token=rtt, input_ids=rng.integers(0, 1 << 40, requests * length).astype(np.int64),
+                     positions=np.tile(np.arange(length, dtype=np.int64), requests),
+                     out_cache_loc=rtt[1:].reshape(-1).astype(np.int64))
+    plan = kc.StepPlan.allocate(requests, 1)
+    kc.build_plan(stamp, plan)
+    kc.write(ctx, plan, stamp.input_ids, stamp.positions, stamp.out_cache_loc)
+    read = rtt[1:].reshape(-1)
+    for slot in rng.choice(read, 5, replace=False):  # a record bit (token, position, chain or fingerprint)
+        canary[slot, int(rng.integers(0, 32))] ^= 1 << int(rng.integers(0, 8))
+    for slot in rng.choice(read, 3, replace=False):  # a byte of a source's strip (the first 16 bytes are read)
+        k = int(rng.integers(0, len(sources)))
+        page, bpt, _ = sources[k]
+        pools[k][slot // page, (slot % page) * bpt + int(rng.integers(0, 16))] ^= 0x40
+    batch = dict(req_pool_indices=rpi, prefix_lens=lens, extend_lens=np.ones(requests, np.int64), req_to_token=rtt)
+    return canary, pools, srcs, batch, {}
+
+
+EIGHT = [(1, 64, 16)] * 6 + [(16, 32, 32)] * 2  # PARTIAL reads 16 bytes of each
+
+
+@pytest.mark.parametrize("sources,tiles,spread", [
+    (EIGHT, lambda g: g, 1),              # one tile per block, its sources over all 8 warps
+    (EIGHT, lambda g: 2 * g, 2),          # two tiles per block, 4 warps each
+    (EIGHT, lambda g: 4 * g, 4),          # four tiles per block, 2 warps each
+    (EIGHT, lambda g: 4 * g + 1, 0),      # more tiles than 4 per block: a warp per tile
+    ([(1, 48, 16)] * 40, lambda g: g + 1, 0),  # 40 sources: two tiles' folds do not fit the stage
+    ([(1, 48, 16)] * 40, lambda g: g, 1),
+])
+def test_many_source_fused_verify_spread_over_a_block_equals_reference(emulated_device, sources, tiles, spread):
+    """The fused *_many verify at every spread of a block (chosen on the device from the step's
+    entry count and the grid): byte-equal to the reference, at the tile counts where the choice
+    changes. The grid is the launch's (the emulator runs at most tests.emu.MAX_BLOCKS blocks)."""
+    from kvcanary import driver, ops
+    _, grid, _ = ops._verify_shape(driver.runtime(0), "kvc_fused_verify", 1 << 17, (16,) * len(sources))
+    if emulated_device is not None:
+        from tests import emu
+        grid = min(grid, emu.MAX_BLOCKS)
+    n = tiles(grid)
+    assert spread_tiles(n * 63, len(sources), grid) == spread, "the case takes the spread it names"
+    engine = many_source_state(50 + n, n, 32 * abi.VERIFY_LANE_ENTRIES - 1, sources)
+    test_tiled_verify_kernels_equal_reference_on_stamped_state(None, abi.HashMode.PARTIAL, 32, sources, False,
+                                                               engine=engine)
+
+
 def test_fused_verify_on_the_benchmark_shape():
     """Decode bs 256 x 4096 (1M entries) with a decoding allocator's slots (slot(r, p) = 1 + p * bs
     + r, perf/workloads.py's default), PARTIAL, a few flipped record bits and one KV byte: the
