@@ -25,6 +25,9 @@
 #define KVC_VT KVC_VERIFY_LANE_ENTRIES
 #define KVC_VERIFY_BLOCKS_PER_SM KVC_VERIFY_MIN_BLOCKS
 #endif
+// The fused *_many kernels keep the ABI's tile depth (their shared stage is sized by it; the
+// tuning benchmark sweeps the narrow kernels).
+#define KVC_MANY_VT KVC_VERIFY_LANE_ENTRIES
 
 struct KvcRecord {
   long long token, position;
@@ -466,8 +469,8 @@ kvc_fused_verify(const __grid_constant__ KvcFusedVerifyParams p) {
 
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_MANY_VERIFY_MIN_BLOCKS)
 kvc_fused_verify_many(const __grid_constant__ KvcFusedVerifyParams p) {
-  __shared__ KvcManyStage<KVC_VT> many;
-  kvc_verify_fused<KVC_VT, KVC_FOLD_MANY>(p, nullptr, &many);
+  __shared__ KvcManyStage<KVC_MANY_VT> many;
+  kvc_verify_fused<KVC_MANY_VT, KVC_FOLD_MANY>(p, nullptr, &many);
 }
 
 extern "C" __global__ void __launch_bounds__(KVC_WIDE_VERIFY_THREADS)
@@ -485,8 +488,8 @@ kvc_fused_verify_pair(const __grid_constant__ KvcFusedVerifyPair p) {
 
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_MANY_VERIFY_MIN_BLOCKS)
 kvc_fused_verify_many_pair(const __grid_constant__ KvcFusedVerifyPair p) {
-  __shared__ KvcManyStage<KVC_VT> many;
-  if (blockIdx.y < KVC_HALVES) kvc_verify_fused<KVC_VT, KVC_FOLD_MANY>(p.half[blockIdx.y], nullptr, &many);
+  __shared__ KvcManyStage<KVC_MANY_VT> many;
+  if (blockIdx.y < KVC_HALVES) kvc_verify_fused<KVC_MANY_VT, KVC_FOLD_MANY>(p.half[blockIdx.y], nullptr, &many);
 }
 
 extern "C" __global__ void __launch_bounds__(KVC_WIDE_VERIFY_THREADS)

@@ -8,6 +8,7 @@ import pytest
 from kvcanary.compile import DEFAULT_ARCHS, supported_archs
 
 from .bounds import PROBE_NAMES, compile_probes, probe_sources
+from .test_tuning import BLOCKS_PER_SM, TILE_ENTRIES, variant_cubin
 
 
 @pytest.mark.parametrize("arch", DEFAULT_ARCHS)
@@ -26,3 +27,14 @@ def test_probes_use_the_kernels_hashing():
     assert '#include "common.cuh"' in sources["probes.cu"]
     assert "kvc_mix3" in sources["common.cuh"] and "kvc_mix3(" in sources["probes.cu"]
     assert "__device__ __forceinline__ uint64_t kvc_mix3" not in sources["probes.cu"]
+
+
+@pytest.mark.parametrize("vt,blocks", [(min(TILE_ENTRIES), min(BLOCKS_PER_SM)), (max(TILE_ENTRIES), max(BLOCKS_PER_SM))])
+def test_tuning_variants_compile(vt, blocks):
+    """The tuning benchmark's verify.cu variants (the swept tile depth and occupancy at their
+    extremes) compile for sm_90, so a kernel change that breaks them (e.g. shared memory sized by
+    the tile depth) fails here rather than in the GPU session."""
+    if 90 not in supported_archs():
+        pytest.skip("this NVRTC cannot target sm_90")
+    cubin = variant_cubin(90, vt, blocks)
+    assert cubin[:4] == b"\x7fELF" and b"kvc_fused_verify" in cubin
