@@ -109,6 +109,29 @@ def buffers(canary, group: str) -> list:
     return [canary.ctx[st, group, h, "write"].buffer for h in grp.resolved_halves() for st in ("HEAD", "TAIL")]
 
 
+def move(canary, slots, records: CanaryRecords | None, group: str, stream) -> CanaryRecords | None:
+    """``KvCanary.export_records`` (``records`` None: the records of ``slots``, returned) or
+    ``import_records`` (``records`` placed at ``slots``) of ``canary``'s group ``group``, on the
+    canary's backend (a device launch on ``stream``, no host sync)."""
+    bufs = buffers(canary, group)
+    num_slots = bufs[0].num_slots
+    exporting = records is None
+    backend = canary.backend
+    where, n = backend.record_slots(slots, num_slots, "export_records" if exporting else "import_records")
+    mine = descriptor(canary, group, n)
+    if exporting:
+        out = backend.zeros((len(bufs), n, abi.FIELDS_PER_SLOT), np.int64)
+    else:
+        check_compatible(mine, records.descriptor)
+        if records.n != n:
+            raise ValidationError(f"kv-canary: import_records needs one record per slot ({n}), got {records.n}. "
+                                  f"Fix: pass the slots the records were exported for, in order")
+        out = backend.records_array(records.records)
+    first = canary.ctx["HEAD", group, canary.groups[group].resolved_halves()[0], "verify"]  # reports bad slots
+    backend.copy_records(bufs, where, out, not exporting, first, backend.stream(stream, None))
+    return CanaryRecords(out, mine) if exporting else None
+
+
 def host_slots(slots, num_slots: int, what: str) -> np.ndarray:
     if isinstance(slots, (int, np.integer)) or getattr(slots, "ndim", 1) == 0:
         v = np.asarray(slots).item()

@@ -68,7 +68,7 @@ def test_manager_replays_new_addresses_and_revalidates_every_changed_layout(fake
     launched(fake, "kvc_write")
     fresh = manager_batch(ids=(8,), loc=(10,))  # same layout, new addresses: replayed, patched
     step(canary, fresh, s)
-    assert len(canary._packed["HEAD"]) == 1
+    assert len(canary.stages.packed["HEAD"]) == 1
     assert [p.out_cache_loc for p in launched(fake, "kvc_write")] == [fresh.out_cache_loc.ptr] * 2
     loc = fresh.out_cache_loc
     bad = {
@@ -88,7 +88,7 @@ def test_manager_replays_new_addresses_and_revalidates_every_changed_layout(fake
     same = manager_batch()
     same.out_cache_loc = Cai(loc.ptr, (1,))
     step(canary, same, s)
-    assert len(canary._packed["HEAD"]) == 1
+    assert len(canary.stages.packed["HEAD"]) == 1
 
 
 def test_manager_key_holds_torch_strides_and_neg_bit(fake, monkeypatch):
@@ -101,7 +101,7 @@ def test_manager_key_holds_torch_strides_and_neg_bit(fake, monkeypatch):
                           positions=T([0, 0]), out_cache_loc=T([9, -1]))
     step(canary, kc.Batch(**fields()), s)
     step(canary, kc.Batch(**fields()), s)
-    assert len(canary._packed["HEAD"]) == 1
+    assert len(canary.stages.packed["HEAD"]) == 1
     f = fields()
     f["req_to_token"] = f["req_to_token"].t()  # same shape and dtype, transposed strides
     with pytest.raises(kc.ValidationError, match="C-contiguous"):
@@ -230,11 +230,11 @@ def test_sglang_decode_lengths_are_one_new_token_after_seq_minus_one():
 def test_only_kvcanary_arrays_replay_by_identity(fake, monkeypatch):
     """The same DeviceArray objects as the stage's last step skip the key (their address and layout
     are fixed for life); the same torch tensors are keyed again every stage."""
-    from kvcanary import manager, packing
+    from kvcanary import packing, stages
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(arrays, "_torch_ordinal", lambda obj: 0)
     calls = []
-    monkeypatch.setattr(manager, "arg_keys", lambda fields: calls.append(1) or packing.arg_keys(fields))
+    monkeypatch.setattr(stages, "arg_keys", lambda fields: calls.append(1) or packing.arg_keys(fields))
     canary, s = make_canary(), fake.cuStreamCreate(0)[1]
     batch = manager_batch()
     step(canary, batch, s)
@@ -263,4 +263,4 @@ def test_a_scalar_field_keys_on_its_type_and_value(fake):
     batch.expected_token_offset = np.int64(1)
     step(canary, batch, s)
     step(canary, batch, s)
-    assert len(canary._packed["HEAD"]) == 2
+    assert len(canary.stages.packed["HEAD"]) == 2

@@ -114,7 +114,7 @@ def test_health_check_fails_when_a_launch_did_not_run():
     s = Session()
     s.script()
     s.canary.health_check()
-    s.canary._expected[0] += 1  # a launch the host enqueued but the device never ran
+    s.canary.monitor.expected[0] += 1  # a launch the host enqueued but the device never ran
     s.canary.poll()
     with pytest.raises(kc.KvCanaryError, match="health check failed.*HEAD_K_FULL verify: ran"):
         s.canary.health_check()

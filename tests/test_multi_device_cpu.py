@@ -234,7 +234,7 @@ def test_flush_snapshots_behind_everything_even_with_every_fifo_slot_in_flight(f
     for _ in range(2):
         step(canary, batch)
     pump = canary.pump
-    while pump.snapshot(driver.PER_THREAD_STREAM, canary._meta()):
+    while pump.snapshot(driver.PER_THREAD_STREAM, canary.monitor.meta()):
         pass
     assert pump.in_flight == pump.DEPTH
     record_violation(canary, 11)

@@ -165,10 +165,10 @@ def test_snapshots_are_taken_in_order_and_skipped_when_the_device_lags(fake):
     s = stream(fake)
     for _ in range(DEPTH + 3):  # the device runs nothing: the FIFO fills, then snapshots are skipped
         step(canary, batch, s)
-    assert canary.pump.skipped == 3 and canary.pump.launches == DEPTH and canary._last is None
+    assert canary.pump.skipped == 3 and canary.pump.launches == DEPTH and canary.monitor.last is None
     fake.run()
     step(canary, batch, s)  # takes the DEPTH finished snapshots, oldest first
-    assert canary._last[1][0] == DEPTH - 1
+    assert canary.monitor.last[1][0] == DEPTH - 1
     assert canary.stats()["step"] == DEPTH + 4
     canary.flush()
     canary.health_check()
@@ -238,14 +238,14 @@ def test_launches_are_repacked_only_when_a_batch_layout_changes(fake):
     canary, batch, _ = make_canary()
     s = stream(fake)
     step(canary, batch, s)
-    (packed,) = canary._packed["HEAD"].values()
+    (packed,) = canary.stages.packed["HEAD"].values()
     step(canary, kc.Batch(**batch.__dict__), s)      # another Batch of the same arrays
     fresh = kc.Batch(**{k: SameMemory(v) if hasattr(v, "__cuda_array_interface__") else v
                         for k, v in batch.__dict__.items()})
     step(canary, fresh, s)                           # new objects, same addresses and layouts
     batch.out_cache_loc = memory.to_device(np.array([10], np.int64))  # same layout, another address
     step(canary, batch, s)
-    assert list(canary._packed["HEAD"].values()) == [packed]
+    assert list(canary.stages.packed["HEAD"].values()) == [packed]
     write = packed.launches[1]
     assert write.name == "kvc_write" and write.params.out_cache_loc == batch.out_cache_loc.ptr
     prepare = packed.launches[0]
@@ -255,16 +255,16 @@ def test_launches_are_repacked_only_when_a_batch_layout_changes(fake):
     batch.out_cache_loc = memory.to_device(np.array([10, -1], np.int64))  # another shape
     batch.input_ids = batch.positions = memory.to_device(np.array([7, 0], np.int64))  # aliased
     step(canary, batch, s)
-    assert len(canary._packed["HEAD"]) == 2
+    assert len(canary.stages.packed["HEAD"]) == 2
     batch.expected_token_offset = 1                  # a scalar field counts too
     step(canary, batch, s)
-    assert len(canary._packed["HEAD"]) == 3
+    assert len(canary.stages.packed["HEAD"]) == 3
     for k in range(2, 2 + 8):                        # at most 8 layouts are kept per stage
         batch.out_cache_loc = memory.to_device(np.array([10] + [-1] * k, np.int64))
         batch.input_ids = batch.positions = memory.to_device(np.zeros(k + 1, np.int64))
         step(canary, batch, s)
-    assert len(canary._packed["HEAD"]) == 8
-    for entry in canary._packed["HEAD"].values():    # a cached launch never keeps the batch alive
+    assert len(canary.stages.packed["HEAD"]) == 8
+    for entry in canary.stages.packed["HEAD"].values():    # a cached launch never keeps the batch alive
         assert all(not any(x is batch.out_cache_loc for x in launch.keep) for launch in entry.launches)
 
 

@@ -194,7 +194,7 @@ def test_session_replayed_from_cuda_graphs_equals_eager():
             for stage in ("HEAD", "TAIL"):
                 graphs[stage] = torch.cuda.CUDAGraph()
             with torch.cuda.stream(s):  # pack launches outside capture (no canary launch here)
-                g.canary._launches(batch, "HEAD", s.cuda_stream); g.canary._launches(batch, "TAIL", s.cuda_stream)
+                g.canary.stages.launches(batch, "HEAD", s.cuda_stream); g.canary.stages.launches(batch, "TAIL", s.cuda_stream)
             torch.cuda.synchronize()
             snapshots = g.canary.pump.launches
             with torch.cuda.graph(graphs["HEAD"]):
@@ -285,7 +285,7 @@ def test_snapshots_in_order_skipped_when_full_then_flushed():
             canary.before_forward(batch, stream=s)
             canary.after_forward(batch, stream=s)
         assert canary.pump.skipped == 3 and canary.pump.fifo.in_flight == DEPTH
-        assert canary._last[1][0] == first - 1, "a snapshot completed before the device got there"
+        assert canary.monitor.last[1][0] == first - 1, "a snapshot completed before the device got there"
     canary.flush()
     steps = [r["step"] for r in records if r["type"] == "stats"]
     # the DEPTH snapshots in flight, then flush's own, labelled with the last step it covers (a skipped one)
