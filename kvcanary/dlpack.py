@@ -1,10 +1,11 @@
 """DLPack in both directions, with ctypes only (DLPack 1.x: legacy and versioned capsules).
 
-Import: ``import_capsule(capsule)`` reads a ``"dltensor"`` or ``"dltensor_versioned"`` capsule,
-renames it ``"used_dltensor"`` / ``"used_dltensor_versioned"`` (the consumer's duty under the
-DLPack spec) and returns a ``DlpackTensor`` whose ``owner`` calls the producer's deleter exactly
-once, when the owner is garbage-collected (or ``owner.release()`` is called). Nothing is copied.
-Every check runs before the rename, so a rejected capsule stays the producer's to free.
+Import: ``capsule_of(producer, stream)`` asks a producer for a capsule; ``import_capsule(capsule)``
+reads a ``"dltensor"`` or ``"dltensor_versioned"`` capsule, renames it ``"used_dltensor"`` /
+``"used_dltensor_versioned"`` (the consumer's duty under the DLPack spec) and returns a
+``DlpackTensor`` whose ``owner`` calls the producer's deleter exactly once, when the owner is
+garbage-collected (or ``owner.release()`` is called). Nothing is copied. Every check runs before
+the rename, so a rejected capsule stays the producer's to free.
 
 Export: ``make_capsule(...)`` describes memory kvcanary owns (host or device) as a capsule that
 CuPy, JAX, torch or numpy can consume. The managed tensor, its deleter and the capsule destructor
@@ -24,23 +25,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .dtypes import describe_dtype, dl_dtype, stand_in
 from .errors import ValidationError, ValidationTypeError
 
-# ---- device types and dtype codes (dlpack.h, v1.1) -----------------------------------------------
+# ---- device types and flags (dlpack.h, v1.1; dtype codes: kvcanary.dtypes) ---------------------
 kDLCPU, kDLCUDA, kDLCUDAHost, kDLCUDAManaged = 1, 2, 3, 13
 DEVICE_NAMES = {1: "CPU", 2: "CUDA", 3: "CUDAHost", 4: "OpenCL", 7: "Vulkan", 8: "Metal", 9: "VPI",
                 10: "ROCM", 11: "ROCMHost", 12: "ExtDev", 13: "CUDAManaged", 14: "OneAPI",
                 15: "WebGPU", 16: "Hexagon", 17: "MAIA"}
 HOST_DEVICE_TYPES = (kDLCPU, kDLCUDAHost)        # host-accessible memory: viewed as a host array
 CUDA_DEVICE_TYPES = (kDLCUDA, kDLCUDAManaged)    # device memory with a CUDA ordinal
-
-kDLInt, kDLUInt, kDLFloat, kDLOpaqueHandle, kDLBfloat, kDLComplex, kDLBool = range(7)
-NAMED_CODES = {4: "bfloat16", 7: "float8_e3m4", 8: "float8_e4m3", 9: "float8_e4m3b11fnuz",
-               10: "float8_e4m3fn", 11: "float8_e4m3fnuz", 12: "float8_e5m2", 13: "float8_e5m2fnuz",
-               14: "float8_e8m0fnu", 15: "float6_e2m3fn", 16: "float6_e3m2fn", 17: "float4_e2m1fn"}
-_NAMED_BITS = {4: 16, 15: 6, 16: 6, 17: 4}       # every other named code is 8 bits
-_NUMPY_KIND_CODES = {"i": kDLInt, "u": kDLUInt, "f": kDLFloat, "c": kDLComplex, "b": kDLBool}
-_CODE_KINDS = {v: k for k, v in _NUMPY_KIND_CODES.items()}
 
 FLAG_READ_ONLY = 1 << 0
 FLAG_IS_COPIED = 1 << 1
@@ -108,55 +102,6 @@ def is_capsule(obj) -> bool:
     return type(obj).__name__ == "PyCapsule"
 
 
-# ---- dtypes --------------------------------------------------------------------------------------
-def stand_in(itemsize: int) -> np.dtype:
-    """The numpy dtype used in place of one numpy lacks: an unsigned int of the same size."""
-    return np.dtype({1: "u1", 2: "<u2", 4: "<u4", 8: "<u8"}.get(itemsize, f"V{itemsize}"))
-
-
-def describe_dtype(code: int, bits: int, lanes: int, padded: bool = False) -> tuple[np.dtype, str]:
-    """(numpy dtype or same-size stand-in, canonical name) for a DLPack (code, bits, lanes)."""
-    total = bits * lanes
-    if total % 8 == 0 and total > 0:
-        itemsize = total // 8
-    elif padded and lanes == 1 and 0 < bits < 8:
-        itemsize = 1
-    else:
-        raise ValidationTypeError(
-            f"kv-canary: expected DLPack elements that occupy whole bytes, got dtype (code={code}, "
-            f"bits={bits}, lanes={lanes}) with packed sub-byte elements. Fix: export the tensor "
-            f"viewed as uint8 (e.g. t.view(torch.uint8)) so every element is addressable by byte.")
-    suffix = f"_x{lanes}" if lanes > 1 else ""
-    if lanes == 1 and code in _CODE_KINDS and (code != kDLBool or bits == 8):
-        try:
-            dt = np.dtype(f"{_CODE_KINDS[code]}{itemsize}")
-            return dt, dt.name
-        except TypeError:
-            pass
-    name = NAMED_CODES.get(code, f"dlpack({code},{bits})") + suffix
-    return stand_in(itemsize), name
-
-
-def dl_dtype(dtype) -> tuple[int, int, int]:
-    """(code, bits, lanes) for a numpy dtype or a name such as "bfloat16" / "torch.float8_e5m2"."""
-    if isinstance(dtype, str):
-        name = dtype[6:] if dtype.startswith("torch.") else dtype
-        base, _, lanes = name.partition("_x")
-        for code, known in NAMED_CODES.items():
-            if base == known and (lanes == "" or lanes.isdigit()):
-                return code, _NAMED_BITS.get(code, 8), int(lanes or 1)
-    try:
-        dt = np.dtype(dtype)
-    except TypeError:
-        dt = None
-    if dt is None or dt.kind not in _NUMPY_KIND_CODES or not dt.isnative:
-        raise ValidationTypeError(
-            f"kv-canary: expected a DLPack-representable dtype (numpy int/uint/float/complex/"
-            f"bool or one of {sorted(NAMED_CODES.values())}), got {dtype!r}. Fix: export the "
-            f"buffer as uint8 or pass one of those names.")
-    return _NUMPY_KIND_CODES[dt.kind], dt.itemsize * 8, 1
-
-
 # ---- numpy over raw memory -----------------------------------------------------------------------
 def c_strides(shape, itemsize: int) -> tuple[int, ...]:
     """C-contiguous byte strides for ``shape``."""
@@ -221,6 +166,18 @@ class DlpackTensor:
 
 def _ints(ptr, n) -> tuple[int, ...]:
     return tuple(int(ptr[i]) for i in range(n))
+
+
+def capsule_of(producer, stream: int | None):
+    """A fresh capsule from ``producer.__dlpack__``: DLPack 1.x asked for (``max_version=(1, 1)``;
+    the legacy call when the producer does not take it) and ``stream``, the consumer's, passed to
+    a CUDA producer so it orders its pending work before it. Raises what the producer raises."""
+    device = producer.__dlpack_device__() if hasattr(producer, "__dlpack_device__") else None
+    kwargs = {"stream": stream} if stream is not None and device and device[0] in CUDA_DEVICE_TYPES else {}
+    try:
+        return producer.__dlpack__(max_version=(1, 1), **kwargs)
+    except TypeError:
+        return producer.__dlpack__(**kwargs)
 
 
 def import_capsule(capsule, producer=None) -> DlpackTensor:

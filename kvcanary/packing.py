@@ -4,7 +4,7 @@ An engine hands kvcanary new arrays every step (fresh tensors, per-step slices o
 buffers), almost always of the layouts it had before. Validation depends only on the layout
 (shape, strides, dtype, device, the producer's stream and flags, scalar arguments) and on each
 address being a possible one; the params of a packed launch depend on the addresses too. So
-launches are validated and packed once per layout (:func:`~kvcanary.arrays.layout_key`, plus which
+launches are validated and packed once per layout (:func:`layout_key`, plus which
 arguments alias) and replayed with the addresses of the call patched into the params fields that
 held the packing call's addresses, each new address checked as :func:`~kvcanary.arrays.as_view`
 would. An object that cannot be keyed cheaply is never cached. Entries hold layouts and the
@@ -17,27 +17,96 @@ import ctypes
 import threading
 from collections import OrderedDict
 
-from . import arrays, streams
-from .arrays import address_bounds, as_view, check_address, layout_key
-from .driver import PER_THREAD_STREAM
+import numpy as np
+
+from . import streams
+from .arrays import ArrayView, as_view, cuda_ordinal, extent
+from .driver import PER_THREAD_STREAM, pointer_device
+from .errors import ValidationError
 from .memory import DeviceArray
 
 KEPT = 8  # layouts kept per cache (least recently used dropped first)
 # Argument types whose layout and address never change while the object lives (kvcanary's own
 # arrays, numbers, None): the same object proves the same key.
-IMMUTABLE = frozenset({DeviceArray, arrays.ArrayView, type(None), int, float, bool})
+IMMUTABLE = frozenset({DeviceArray, ArrayView, type(None), int, float, bool})
+
+_ADDRESS_END = 1 << 63
+
+
+# ---- layout keys -----------------------------------------------------------------------------------
+_SCALARS = (int, float, bool)
+TORCH_TENSOR = [None]  # torch.Tensor once layout_key has seen one (torch is never imported here)
+
+
+def layout_key(obj):
+    """(layout, address) of one array argument, cheaply: everything a packed launch's validation
+    and params depend on (shape, byte strides or their source, dtype, device, the producer's stream
+    and flags; a scalar's type and value) and where its data is. Arrays of one layout may replay
+    each other's launches once the address is patched in (and checked: :func:`check_address`).
+    ``(None, None)`` for an object that cannot be keyed without a full conversion (a DLPack
+    producer, a numpy array, a torch subclass ...): never cached, always validated."""
+    kind = type(obj)
+    if obj is None or kind in _SCALARS or isinstance(obj, (np.integer, np.floating, np.bool_)):
+        return (kind, obj), None  # the type too: True == 1 == 1.0, and only an int passes integer()
+    if kind.__name__ == "Tensor" and kind.__module__ == "torch":
+        TORCH_TENSOR[0] = kind  # for the inlined copy of this branch in arg_keys
+        try:  # a strided tensor; its lazy neg bit, which as_view refuses (the conj bit needs a complex dtype)
+            return (obj.shape, obj.stride(), obj.dtype, obj.device, obj.is_neg()), obj.data_ptr()
+        except Exception:  # noqa: BLE001 - a sparse or otherwise unusual tensor: as_view says what is wrong
+            return None, None
+    if kind.__name__ == "DeviceArray" and kind.__module__ == "kvcanary.memory":  # its CAI's key, faster
+        return (obj.shape, None, obj.dtype.str, False, None, obj.device), obj.ptr
+    if kind is ArrayView:
+        if obj.device == -1 or obj.host is not None:
+            return None, None
+        return (ArrayView, obj.shape, obj.strides, obj.dtype, obj.dtype_name, obj.readonly, obj.stream,
+                obj.device), obj.ptr
+    try:
+        cai = obj.__cuda_array_interface__
+    except Exception:  # noqa: BLE001 - no CAI (or a refusing one): not keyed
+        return None, None
+    try:
+        (ptr, readonly), typestr = cai["data"], cai["typestr"]
+        shape, strides = tuple(cai["shape"]), cai.get("strides")
+        version, mask = cai.get("version", 0), cai.get("mask")
+        if mask is not None or not isinstance(typestr, str) or typestr[1:2] == "V" or not isinstance(ptr, int):
+            return None, None  # masked, opaque (the producer's dtype decides) or malformed: as_view says
+        stream = cai.get("stream") if isinstance(version, int) and version >= 3 else None
+        device = cuda_ordinal(obj)
+        if device == -1 and ptr:  # the driver places the pointer (as resolved() does for the launch)
+            device = pointer_device(ptr)
+        return (shape, None if strides is None else tuple(strides), typestr, bool(readonly), stream,
+                device), ptr
+    except Exception:  # noqa: BLE001 - a malformed interface: not keyed, as_view reports it
+        return None, None
+
+
+def check_address(name: str, ptr: int, bounds: tuple[int, int]) -> None:
+    """The address checks of :func:`~kvcanary.arrays.as_view` for a new address of an already
+    validated layout whose elements occupy ``bounds`` (:func:`~kvcanary.arrays.extent`)."""
+    low, high = bounds
+    if high == 0:
+        return
+    if not 0 < ptr < 1 << 64:
+        raise ValidationError(f"kv-canary: {name}: expected a non-NULL data pointer in [0, 2**64), got {hex(ptr)}. "
+                              f"Fix: pass an allocated array")
+    if ptr + low < 0 or ptr + high > 1 << 63:
+        raise ValidationError(f"kv-canary: {name}: expected an array inside the address space, got bytes "
+                              f"[{ptr + low:#x}, {ptr + high:#x}). Fix: check the shape, the strides and the pointer")
 
 
 _NONE = layout_key(None)
-_ADDRESS_END = 1 << 63
+
+
+# ---- packed launches by layout ---------------------------------------------------------------------
 
 
 def arg_keys(objs) -> tuple[tuple | None, tuple, bool]:
     """(layout key of the arguments, their addresses, whether all are :data:`IMMUTABLE`); the key
     is None when an argument cannot be keyed (then nothing is cached). Which arguments share an
     address is part of the key: the patch map tells arguments apart by address. Plain torch
-    tensors take an inlined copy of :func:`~kvcanary.arrays.layout_key`'s branch (every step)."""
-    tensor, none = arrays.TORCH_TENSOR[0], _NONE[0]
+    tensors take an inlined copy of :func:`layout_key`'s branch (every step)."""
+    tensor, none = TORCH_TENSOR[0], _NONE[0]
     layouts, ptrs, fixed = [], [], True
     lay_add, ptr_add = layouts.append, ptrs.append
     for obj in objs:
@@ -116,6 +185,10 @@ class Packed:
         self.ptrs = ptrs
 
 
+def _bounds(view: ArrayView) -> tuple[int, int]:
+    return extent(view.shape, view.strides, view.itemsize)
+
+
 class PackCache:
     """Packed launches by layout key, the least recently used dropped past :data:`KEPT`."""
 
@@ -137,7 +210,7 @@ class PackCache:
     def put(self, key, launches, objs, ptrs, names, extra=None) -> Packed:
         """Keep ``launches``, packed (and so validated) from the arguments ``objs`` at ``ptrs``."""
         names = (*names, *(f"argument {i}" for i in range(len(names), len(objs))))  # a Batch subclass's extras
-        bounds = tuple((0, 0) if p is None else address_bounds(as_view(o, name=n)) for o, p, n in zip(objs, ptrs, names))
+        bounds = tuple((0, 0) if p is None else _bounds(as_view(o, name=n)) for o, p, n in zip(objs, ptrs, names))
         entry = self.entries[key] = Packed(launches, ptrs, bounds, names, extra)
         while len(self.entries) > self.kept:
             self.entries.popitem(last=False)
@@ -170,7 +243,7 @@ def state_key(values) -> tuple | None:
 def _view_stream(objs) -> int | None:
     """The first producer stream of the arrays (CAI v3), as :func:`kvcanary.streams.resolve` finds it."""
     for obj in objs:
-        if obj is not None and not (type(obj) is arrays.TORCH_TENSOR[0]):
+        if obj is not None and not (type(obj) is TORCH_TENSOR[0]):
             v = as_view(obj, name="array")
             if v.stream is not None:
                 return int(v.stream)

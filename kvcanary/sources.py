@@ -14,7 +14,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from . import abi
-from .arrays import ArrayView, as_uint8_2d, as_view, from_pointer
+from .arrays import ArrayView, as_view, from_pointer
+from .dlpack import ndarray_at
 from .errors import ValidationError, ValidationTypeError
 from .validate import INT32_MAX, fail, integer, optional_integer
 
@@ -152,14 +153,38 @@ def marshal_sources(sources: Sequence[RealKvSource], mode: abi.HashMode, num_slo
 
 
 # ---- layout helpers ------------------------------------------------------------------------------
-def _rows_view(pool, name: str) -> ArrayView:
-    """An allocated pool ``[rows, ...]`` as uint8 ``[rows, bytes of a row]``, without copying
-    (:func:`kvcanary.arrays.as_uint8_2d`, which says what is wrong with any other layout)."""
+def rows_view(pool, name: str) -> ArrayView:
+    """An allocated pool ``[rows, ...]`` (any array :func:`~kvcanary.arrays.as_view` takes) as uint8
+    ``[rows, row_bytes]``, without copying: row = dims 1.. collapsed, which requires them to be
+    contiguous; the row stride is the array's real ``strides[0]`` (a per-layer slice of a larger
+    buffer keeps its stride). A single row gets stride row_bytes. Any other layout is a
+    ``kv-canary:`` error that says what is wrong with it."""
     v = resolved(as_view(pool, name=name))
     if v.ndim >= 2 and not v.numel:
         raise ValidationError(f"kv-canary: {name} must hold at least one row of bytes, got shape {v.shape}. Fix: pass "
                               f"the allocated pool")
-    return as_uint8_2d(v, name)
+    if v.ndim < 2:
+        raise ValidationError(f"kv-canary: {name}: expected an array of at least 2 dimensions to view as uint8 "
+                              f"[rows, row_bytes], got {v.ndim}-D shape {v.shape}. Fix: {_FIX_2D}")
+    row_bytes = v.itemsize
+    for i in range(v.ndim - 1, 0, -1):
+        n, s = v.shape[i], v.strides[i]
+        if n != 1 and s != row_bytes:
+            what = ("a contiguous last dimension (stride == itemsize)" if i == v.ndim - 1
+                    else "dims 1.. that collapse into one contiguous row")
+            raise ValidationError(f"kv-canary: {name}: expected {what} to view as uint8 [rows, row_bytes], i.e. "
+                                  f"dim {i} stride {row_bytes} bytes, got {s} bytes ({v.describe()}). Fix: pass the "
+                                  f"buffer in its storage layout, not a transposed or permuted view (a .contiguous() "
+                                  f"copy would be a stale snapshot), then {_FIX_2D}")
+        row_bytes *= n
+    rows = v.shape[0]
+    row_stride = v.strides[0] if rows > 1 else row_bytes
+    if row_stride < 0:
+        raise ValidationError(f"kv-canary: {name}: expected a non-negative row stride, got {row_stride} bytes "
+                              f"({v.describe()}). Fix: pass the buffer itself, not a reversed view")
+    shape, strides = (rows, row_bytes), (row_stride, 1)
+    host = None if v.host is None else ndarray_at(v.ptr, shape, strides, np.uint8, readonly=v.readonly, owner=v)
+    return ArrayView(v.ptr, shape, strides, np.dtype(np.uint8), "uint8", v.device, v.readonly, v, v.stream, host)
 
 
 def sources_from_pages(pool, *, page_size: int | None = None, read_bytes: int | None = None) -> RealKvSource:
@@ -170,7 +195,7 @@ def sources_from_pages(pool, *, page_size: int | None = None, read_bytes: int | 
     if len(v.shape) < 2:
         raise ValidationError(f"kv-canary: pool must be [pages, page_size, ...], got shape {v.shape}. Fix: pass "
                               f"the paged pool itself (e.g. [num_blocks, block_size, heads, dim])")
-    rows = _rows_view(pool, "pool")
+    rows = rows_view(pool, "pool")
     page = v.shape[1] if page_size is None else int(page_size)
     if page < 1 or rows.shape[1] % page or (rows.shape[1] // page) % abi.REAL_KV_ALIGN:
         fail("page_size", f"a divisor of the page's {rows.shape[1]} bytes into tokens of a multiple of 16 bytes",
@@ -180,7 +205,7 @@ def sources_from_pages(pool, *, page_size: int | None = None, read_bytes: int | 
 
 def source_from_slots(pool, *, read_bytes: int | None = None) -> RealKvSource:
     """A per-token pool ``[slots, ...]`` (SGLang MHA ``[slots, heads, dim]``, MLA ``[slots, 1, dim]``)."""
-    rows = _rows_view(pool, "pool")
+    rows = rows_view(pool, "pool")
     if rows.shape[1] % abi.REAL_KV_ALIGN or not rows.shape[1]:
         fail("pool", "a [slots, ...] pool of a positive multiple of 16 bytes per slot", f"{rows.shape[1]} bytes per "
              f"slot (shape {as_view(pool, name='pool').shape})", "pad the token to 16 bytes, or fingerprint another "

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from kvcanary import dlpack
-from kvcanary.arrays import as_uint8_2d, as_view, from_pointer, resolve_dtype
+from kvcanary.arrays import as_view, from_pointer
+from kvcanary.dtypes import resolve_dtype
+from kvcanary.sources import rows_view
 from kvcanary.errors import ValidationError, ValidationTypeError
 
 
@@ -387,10 +389,10 @@ def test_resolve_dtype(spec, itemsize, name):
     assert (dt.itemsize, got) == (itemsize, name)
 
 
-# ---- as_uint8_2d ---------------------------------------------------------------------------------
+# ---- rows_view -----------------------------------------------------------------------------------
 def test_uint8_2d_collapses_paged_layout():
     pool = np.arange(5 * 4 * 2 * 8, dtype=np.float16).reshape(5, 4, 2, 8)   # [pages, ps, h, d]
-    u = as_uint8_2d(as_view(pool, name="pool"), "pool")
+    u = rows_view(as_view(pool, name="pool"), "pool")
     assert (u.ptr, u.shape, u.strides, u.dtype_name) == (addr(pool), (5, 128), (128, 1), "uint8")
     assert u.host.base is not None and addr(u.host) == addr(pool)
     np.testing.assert_array_equal(u.host[3], pool[3].reshape(-1).view(np.uint8))
@@ -399,31 +401,31 @@ def test_uint8_2d_collapses_paged_layout():
 def test_uint8_2d_per_layer_slice_keeps_real_row_stride():
     buf = np.zeros((3, 10, 48), np.uint8)                 # [layers, slots, bytes]
     layer = buf[1, :, :32]
-    u = as_view(layer, name="layer").as_uint8_2d("layer")
+    u = rows_view(as_view(layer, name="layer"), "layer")
     assert u.shape == (10, 32) and u.strides == (48, 1) and u.ptr == addr(buf) + 480
     buf[1, 4, 5] = 9
     assert u.host[4, 5] == 9
-    mla = as_view(np.zeros((6, 1, 64), np.uint16)[:, :, :], name="mla").as_uint8_2d("mla")
+    mla = rows_view(as_view(np.zeros((6, 1, 64), np.uint16)[:, :, :], name="mla"), "mla")
     assert mla.shape == (6, 128)
-    single = as_uint8_2d(as_view(buf[0, :1, :], name="one"), "one")
+    single = rows_view(as_view(buf[0, :1, :], name="one"), "one")
     assert single.strides == (48, 1)
 
 
 def test_uint8_2d_rejects_transposed_with_fix():
     t = np.zeros((8, 4, 16), np.float16).transpose(0, 2, 1)
     with pytest.raises(ValidationError) as e:
-        as_uint8_2d(as_view(t, name="kv"), "kv")
+        rows_view(as_view(t, name="kv"), "kv")
     msg = str(e.value)
     assert msg.startswith("kv-canary: kv: expected ") and " got " in msg
     assert "reshape to [num_slots, bytes_per_slot], e.g. t.view(t.shape[0], -1)" in msg
     with pytest.raises(ValidationError, match="contiguous last dimension"):
-        as_uint8_2d(as_view(np.zeros((4, 8), np.int32)[:, ::2], name="kv"), "kv")
+        rows_view(as_view(np.zeros((4, 8), np.int32)[:, ::2], name="kv"), "kv")
 
 
 def test_uint8_2d_rejects_1d():
     fix = r"t\.view\(t\.shape\[0\], -1\)"
     with pytest.raises(ValidationError, match=r"got 1-D shape \(16,\).*" + fix):
-        as_uint8_2d(as_view(np.zeros(16, np.uint8), name="kv"), "kv")
+        rows_view(as_view(np.zeros(16, np.uint8), name="kv"), "kv")
 
 
 # ---- state arrays --------------------------------------------------------------------------------
@@ -464,7 +466,8 @@ def test_core_modules_never_import_frameworks():
     import pathlib
 
     import kvcanary.arrays
-    for module in (kvcanary.arrays, dlpack):
+    import kvcanary.dtypes
+    for module in (kvcanary.arrays, kvcanary.dtypes, dlpack):
         tree = ast.parse(pathlib.Path(module.__file__).read_text())
         names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
                  for a in n.names}
