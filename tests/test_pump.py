@@ -293,11 +293,11 @@ def test_verify_kernel_follows_the_fingerprinted_bytes(fake, hash_mode, read_byt
 def test_verify_grid_is_one_resident_wave_at_most(fake, capacity, wide):
     """The kernel follows the fingerprinted bytes only (no layout guessed from the batch size);
     the grid is the driver's occupancy x SMs, never more blocks than the plan has tiles."""
-    from kvcanary import driver, ops
+    from kvcanary import driver, prepare
     rt = driver.runtime(0)
     hash_bytes = (16, 1024) if wide else (16,)
     for base in ("kvc_verify", "kvc_fused_verify"):
-        name, grid, block = ops._verify_shape(rt, base, capacity, hash_bytes)
+        name, grid, block = prepare._verify_shape(rt, base, capacity, hash_bytes)
         assert name == (f"{base}_wide" if wide else base) and block == (128 if wide else 256)
         tile = (31 if wide else 32 * abi.VERIFY_LANE_ENTRIES - 1) * (block // 32)
         assert grid == min(rt.sm_count * (2048 // block), -(-capacity // tile))  # fake occupancy: 2048 threads
