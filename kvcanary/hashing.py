@@ -2,16 +2,22 @@
 
 ``sm`` is the splitmix64 finaliser and ``mix3(a, b, c) = sm(sm(sm(a) ^ b) ^ c)``; both work mod
 2^64 and read signed (int64) inputs as their uint64 bit pattern. The numpy variants return uint64
-arrays and never modify their inputs. Constants come from :mod:`kvcanary.abi`.
+arrays and never modify their inputs. Constants come from :mod:`kvcanary.abi`. On top of them, as
+the CPU reference computes them: ``slot_hash`` of canary records and the real-KV ``fingerprint``
+of slots over their :class:`RefSource` s.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple, Sequence
+
 import numpy as np
 
-from kvcanary.abi import ANCHOR, SM_MUL1, SM_MUL2, SM_SHIFT1, SM_SHIFT2, SM_SHIFT3
+from kvcanary.abi import (ANCHOR, FIELD_POSITION, FIELD_PREV_HASH, FIELD_TOKEN, SM_MUL1, SM_MUL2, SM_SHIFT1,
+                          SM_SHIFT2, SM_SHIFT3)
 
 MASK64 = (1 << 64) - 1
+_GATHER_BYTES = 1 << 24  # bound on the temporary byte matrix of one fingerprint chunk
 
 
 def to_u64(i: int) -> int:
@@ -80,3 +86,68 @@ def mix3_np(a, b, c) -> np.ndarray:
     h = _sm_inplace(sm_np(a) ^ as_u64(b))
     h ^= as_u64(c)
     return _sm_inplace(h)
+
+
+# ---- slot hashes and fingerprints (the reference backend's) -------------------------------------
+class RefSource(NamedTuple):
+    """One real-KV source as the reference reads it (docs/format.md §4), hash mode already resolved.
+
+    ``data`` is uint8 2-D with a contiguous inner dimension; rows may be strided (a view into a
+    larger buffer, never copied). Slot s reads ``hash_bytes`` bytes of row ``s // page_size``
+    starting at byte ``(s % page_size) * bytes_per_token``.
+    """
+
+    data: np.ndarray
+    page_size: int
+    bytes_per_token: int
+    hash_bytes: int
+
+
+def _source_hash(slots: np.ndarray, src: RefSource) -> np.ndarray:
+    data, ps, bpt, hb = src.data, int(src.page_size), int(src.bytes_per_token), int(src.hash_bytes)
+    if data.dtype != np.uint8 or data.ndim != 2 or (data.shape[1] > 1 and data.strides[1] != 1):
+        raise ValueError(f"kv-canary: RefSource.data must be uint8 2-D with a contiguous inner "
+                         f"dimension, got dtype {data.dtype}, shape {data.shape}, strides {data.strides}")
+    if (ps - 1) * bpt + hb <= data.shape[1]:
+        # [rows, page_size, hash_bytes] view: every byte it exposes lies inside its row.
+        tokens = np.lib.stride_tricks.as_strided(
+            data, shape=(data.shape[0], ps, hb), strides=(data.strides[0], bpt, 1), writeable=False)
+        gather = lambda s: tokens[s // ps, s % ps]  # noqa: E731
+    else:
+        cols = np.arange(hb, dtype=np.int64)
+        gather = lambda s: data[(s // ps)[:, None], ((s % ps) * bpt)[:, None] + cols]  # noqa: E731
+    out = np.empty(len(slots), dtype=np.uint64)
+    step = max(1, _GATHER_BYTES // max(hb, 1))
+    for lo in range(0, len(slots), step):
+        words = np.ascontiguousarray(gather(slots[lo:lo + step])).view("<u8")
+        h = np.zeros(len(words), dtype=np.uint64)
+        for w in range(words.shape[1]):
+            h = sm_np(h ^ words[:, w])
+        out[lo:lo + step] = h
+    return out
+
+
+def fingerprint(slots, sources: Sequence[RefSource]) -> np.ndarray:
+    """Real-KV fingerprint (docs/format.md §3) of each slot in ``slots`` (int64, all >= 0) as uint64; 0 if no sources."""
+    slots = np.asarray(slots, dtype=np.int64).reshape(-1)
+    total = np.zeros(len(slots), dtype=np.uint64)
+    for src in sources:
+        total = sm_np(total ^ _source_hash(slots, src))
+    return total
+
+
+def canary_words(canary: np.ndarray) -> np.ndarray:
+    """int64 ``[num_slots, stride // 8]`` view of the canary buffer (no copy)."""
+    return canary.view("<i8")
+
+
+def slot_hash_words(words: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """:func:`slot_hash` of int64 ``slots`` over ``canary_words`` of a buffer."""
+    rec = np.take(words, np.maximum(slots, 0), axis=0)
+    h = mix3_np(rec[:, FIELD_PREV_HASH], rec[:, FIELD_TOKEN], rec[:, FIELD_POSITION])
+    return np.where(slots < 0, np.uint64(ANCHOR_HASH), h)
+
+
+def slot_hash(canary: np.ndarray, slots) -> np.ndarray:
+    """``slot_hash`` (docs/format.md §3) per slot as uint64: sm(ANCHOR) for s < 0; s must be < num_slots."""
+    return slot_hash_words(canary_words(canary), np.asarray(slots, dtype=np.int64).reshape(-1))

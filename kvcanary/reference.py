@@ -13,7 +13,7 @@ This module imports only numpy and kvcanary; never CUDA.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -22,7 +22,7 @@ from kvcanary.abi import (
     NO_EXPECTED_TOKEN, PREV_ON_PADDING, RING_COLS, SEED_INVALID, SELF_TEST_POSITION, SELF_TEST_TOKEN, BatchField,
     FailReason,
 )
-from kvcanary.hashing import ANCHOR_HASH, mix3, mix3_np, sm_np, to_i64
+from kvcanary.hashing import ANCHOR_HASH, RefSource, canary_words, fingerprint, mix3, mix3_np, slot_hash_words, to_i64
 
 _ANCHOR_I64 = to_i64(ANCHOR_HASH)
 _CHAIN = int(FailReason.VERIFY_CHAIN_HASH_MISMATCH)
@@ -33,71 +33,6 @@ _W_TOKEN = int(FailReason.WRITE_TOKEN_MISMATCH)
 _W_POSITION = int(FailReason.WRITE_POSITION_MISMATCH)
 _OOB = int(FailReason.SLOT_OUT_OF_RANGE)
 _PADDING = int(FailReason.PADDING_SLOT_READ)
-_GATHER_BYTES = 1 << 24  # bound on the temporary byte matrix of one fingerprint chunk
-
-
-class RefSource(NamedTuple):
-    """One real-KV source as the reference reads it (docs/format.md §4), hash mode already resolved.
-
-    ``data`` is uint8 2-D with a contiguous inner dimension; rows may be strided (a view into a
-    larger buffer, never copied). Slot s reads ``hash_bytes`` bytes of row ``s // page_size``
-    starting at byte ``(s % page_size) * bytes_per_token``.
-    """
-
-    data: np.ndarray
-    page_size: int
-    bytes_per_token: int
-    hash_bytes: int
-
-
-# ---- hashing of slots ------------------------------------------------------------------------------
-def _source_hash(slots: np.ndarray, src: RefSource) -> np.ndarray:
-    data, ps, bpt, hb = src.data, int(src.page_size), int(src.bytes_per_token), int(src.hash_bytes)
-    if data.dtype != np.uint8 or data.ndim != 2 or (data.shape[1] > 1 and data.strides[1] != 1):
-        raise ValueError(f"kv-canary: RefSource.data must be uint8 2-D with a contiguous inner "
-                         f"dimension, got dtype {data.dtype}, shape {data.shape}, strides {data.strides}")
-    if (ps - 1) * bpt + hb <= data.shape[1]:
-        # [rows, page_size, hash_bytes] view: every byte it exposes lies inside its row.
-        tokens = np.lib.stride_tricks.as_strided(
-            data, shape=(data.shape[0], ps, hb), strides=(data.strides[0], bpt, 1), writeable=False)
-        gather = lambda s: tokens[s // ps, s % ps]  # noqa: E731
-    else:
-        cols = np.arange(hb, dtype=np.int64)
-        gather = lambda s: data[(s // ps)[:, None], ((s % ps) * bpt)[:, None] + cols]  # noqa: E731
-    out = np.empty(len(slots), dtype=np.uint64)
-    step = max(1, _GATHER_BYTES // max(hb, 1))
-    for lo in range(0, len(slots), step):
-        words = np.ascontiguousarray(gather(slots[lo:lo + step])).view("<u8")
-        h = np.zeros(len(words), dtype=np.uint64)
-        for w in range(words.shape[1]):
-            h = sm_np(h ^ words[:, w])
-        out[lo:lo + step] = h
-    return out
-
-
-def fingerprint(slots, sources: Sequence[RefSource]) -> np.ndarray:
-    """Real-KV fingerprint (docs/format.md §3) of each slot in ``slots`` (int64, all >= 0) as uint64; 0 if no sources."""
-    slots = np.asarray(slots, dtype=np.int64).reshape(-1)
-    total = np.zeros(len(slots), dtype=np.uint64)
-    for src in sources:
-        total = sm_np(total ^ _source_hash(slots, src))
-    return total
-
-
-def _words(canary: np.ndarray) -> np.ndarray:
-    """int64 ``[num_slots, stride // 8]`` view of the canary buffer (no copy)."""
-    return canary.view("<i8")
-
-
-def _slot_hash_words(words: np.ndarray, slots: np.ndarray) -> np.ndarray:
-    rec = np.take(words, np.maximum(slots, 0), axis=0)
-    h = mix3_np(rec[:, FIELD_PREV_HASH], rec[:, FIELD_TOKEN], rec[:, FIELD_POSITION])
-    return np.where(slots < 0, np.uint64(ANCHOR_HASH), h)
-
-
-def slot_hash(canary: np.ndarray, slots) -> np.ndarray:
-    """``slot_hash`` (docs/format.md §3) per slot as uint64: sm(ANCHOR) for s < 0; s must be < num_slots."""
-    return _slot_hash_words(_words(canary), np.asarray(slots, dtype=np.int64).reshape(-1))
 
 
 # ---- violation ring ---------------------------------------------------------------------------------
@@ -170,7 +105,7 @@ def verify(*, canary, slot, expected_token, expected_position, prev_slot, num_va
     """
     kernel_run_counter[0] += 1
     ring_append(ring, write_index, self_test_rows(self_test=self_test, self_test_every=self_test_every,
-                                                  run=int(kernel_run_counter[0]), num_slots=_words(canary).shape[0],
+                                                  run=int(kernel_run_counter[0]), num_slots=canary_words(canary).shape[0],
                                                   tag=tag), claim, consumed)
     if int(enable[0]) == 0:
         return
@@ -192,7 +127,7 @@ def check_entries(canary, slot, prev_slot, expected_token, expected_position, so
     sets CHAIN | SLOT_OUT_OF_RANGE with expected chain 0; else the chain is slot_hash(prev).
     ``fingerprinted`` (bool per entry, None = all): the entries whose real KV is checked.
     """
-    words = _words(canary)
+    words = canary_words(canary)
     n, active = words.shape[0], len(slot)
     s, p = np.asarray(slot, np.int64), np.asarray(prev_slot, np.int64)
     epos, et = np.asarray(expected_position, np.int64), np.asarray(expected_token, np.int64)
@@ -202,7 +137,7 @@ def check_entries(canary, slot, prev_slot, expected_token, expected_position, so
     tok, pos = rec[:, FIELD_TOKEN], rec[:, FIELD_POSITION]
     prev, rkv = rec[:, FIELD_PREV_HASH], rec[:, FIELD_REAL_KV_HASH]
     p_in = (p > 0) & (p < n)
-    ph = _slot_hash_words(words, np.where(p_in, p, 0)).view(np.int64) if n else np.zeros(active, np.int64)
+    ph = slot_hash_words(words, np.where(p_in, p, 0)).view(np.int64) if n else np.zeros(active, np.int64)
     p_bad = ~p_in & (p != 0) & (p != CHAIN_HEAD) & (p != PREV_ON_PADDING)
     unchecked = (p == 0) | (p == PREV_ON_PADDING)
     expected_chain = np.where(unchecked, prev, np.where(p == CHAIN_HEAD, _ANCHOR_I64, np.where(p_bad, 0, ph)))
@@ -246,7 +181,7 @@ def write(*, canary, offsets, seed, num_valid_reqs, input_ids, positions, out_ca
         raise ValueError("kv-canary: expected_input_ids and expected_positions must be given "
                          "together, got only one; fix: pass both arrays or neither")
     kernel_run_counter[0] += 1
-    words = _words(canary)
+    words = canary_words(canary)
     n, T = words.shape[0], len(out_cache_loc)
     R = min(max(int(num_valid_reqs[0]), 0), len(seed))
     start = np.clip(offsets[:R], 0, T)
@@ -263,7 +198,7 @@ def write(*, canary, offsets, seed, num_valid_reqs, input_ids, positions, out_ca
     seed_ok = (sd >= 0) & (sd < n)
     assert_on = seed_ok & (chain_position_assert is not None and int(chain_position_assert[0]) != 0)
     h0 = np.full(R, ANCHOR_HASH, dtype=np.uint64)
-    h0[seed_ok] = _slot_hash_words(words, sd[seed_ok])
+    h0[seed_ok] = slot_hash_words(words, sd[seed_ok])
     pos0 = np.zeros(R, dtype=np.int64)
     pos0[seed_ok] = words[sd[seed_ok], FIELD_POSITION]
 
