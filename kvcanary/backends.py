@@ -173,7 +173,7 @@ class CudaBackend:
     def copy_records(self, bufs, slots, records, to_buffers: bool, ctx, stream: int) -> None:
         """One kvc_copy_records launch on ``stream``: records of ``slots`` (a device int64 [n] view)
         out of (or into) the buffers; a slot outside them is reported through ``ctx``'s sink."""
-        from .driver import Launch
+        from .launch import Launch
         from .state import checked
         records = checked(records, "records", dtype=np.int64, ndim=3)
         p = abi.RecordsParams()

@@ -3,7 +3,8 @@
 Per device: ``cuInit``, the primary context (shared with torch, CuPy and JAX), ``cuLibraryLoadData``
 of the cubin for the device's arch, and a check of every kernel's parameter size against the
 ctypes struct of abi.py. A launch is one ``cuLaunchKernel`` with the params struct passed by value
-through a pointer array. Thread-safe; one runtime per device ordinal.
+through a pointer array (a packed one: :class:`kvcanary.launch.Launch`). Thread-safe; one runtime
+per device ordinal.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import ctypes
 import threading
 from dataclasses import dataclass, field
 
-from . import abi
-from .errors import DriverError, NoCudaDriverError
+from . import abi, compile as nvrtc_compile
+from .errors import DriverError, KvCanaryError, NoCudaDriverError
 
 _lock = threading.Lock()
 _initialised = False
@@ -69,7 +70,6 @@ def device_count() -> int:
 
 def unavailable_reason() -> str | None:
     """None when at least one CUDA device answers, else why not (for skipping GPU work cleanly)."""
-    from .errors import KvCanaryError
     try:
         return None if device_count() > 0 else "no CUDA device"
     except KvCanaryError as exc:
@@ -226,44 +226,6 @@ class DeviceRuntime:
         return int(ptr), int(size)
 
 
-class Launch:
-    """A validated, packed kernel launch: replaying it costs one cuLaunchKernel.
-
-    Holds the params struct and its pointer array, so both outlive every launch of it. Pointers
-    inside are fixed: replay only while the arrays it was built from are alive and unchanged.
-    ``go(stream)`` is the bound launch (``DeviceRuntime.launcher``): hot loops call it directly.
-    Fields of ``params`` may be changed between launches (cuLaunchKernel copies the struct).
-    ``grid_y`` > 1: a paired launch (:func:`paired`), whose params hold one struct per half.
-    """
-
-    __slots__ = ("rt", "name", "grid", "grid_y", "block", "params", "_ptrs", "address", "stream", "keep", "go")
-
-    def __init__(self, rt: DeviceRuntime, name: str, grid: int, block: int, params, stream: int, keep=(),
-                 grid_y: int = 1):
-        self.rt, self.name, self.grid, self.block, self.params, self.stream = rt, name, grid, block, params, stream
-        self.grid_y = grid_y
-        self._ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(params))
-        self.address = ctypes.addressof(self._ptrs)
-        self.keep = keep  # the objects owning every pointer in params stay alive with the launch
-        self.go = rt.launcher(name, grid, block, self.address, grid_y)
-
-    def __call__(self, stream: int | None = None) -> None:
-        self.go(self.stream if stream is None else stream)
-
-
-def paired(k: Launch, v: Launch) -> Launch | None:
-    """One launch running both ``k`` and ``v`` (the K and V halves of a group, each as its own
-    launch would run; abi.PAIRED, blockIdx.y picks the half), or None when they cannot share one:
-    another kernel or block size, another device or stream, or a kernel with no paired entry point.
-    The params are copied: later changes to ``k.params`` or ``v.params`` do not reach it."""
-    name = abi.PAIRED.get(k.name)
-    if name is None or v.name != k.name or v.block != k.block or v.rt is not k.rt or v.stream != k.stream:
-        return None
-    p = abi.CTYPES[abi.KERNELS[name]]()
-    p.half[0], p.half[1] = k.params, v.params
-    return Launch(k.rt, name, max(k.grid, v.grid), k.block, p, k.stream, (k.keep, v.keep), grid_y=abi.HALVES)
-
-
 def _pick_cubin(cubins: dict[int, bytes], capability: tuple[int, int]) -> int | None:
     """Highest compiled arch a device can run: same major, minor not above the device's."""
     major, minor = capability
@@ -293,7 +255,6 @@ def _load(ordinal: int) -> DeviceRuntime:
 def _load_library(ordinal: int, ctx: int, capability: tuple[int, int], sms: int) -> DeviceRuntime:
     d = _driver()
     major, minor = capability
-    from . import compile as nvrtc_compile
     compiled = nvrtc_compile.loaded()
     arch = _pick_cubin(compiled.cubins, (major, minor)) if compiled else None
     if arch is None:  # an arch outside the configured list: compile it now (and cache it)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import abi, driver, host_ops, streams
-from .driver import Launch
+from .launch import Launch
 from .errors import ValidationError
 from .plan import Batch, StepPlan, check_batch_values
 from .state import VerifyContext, checked, same_device

@@ -17,7 +17,8 @@ from collections import deque
 
 import numpy as np
 
-from . import abi
+from . import abi, driver, memory
+from .launch import Launch
 
 DEPTH = 8
 _SNAPSHOT_BLOCK = 128
@@ -98,7 +99,6 @@ class Pump:
     DEPTH = DEPTH
 
     def __init__(self, status, ring, ring_capacity: int, device: int):
-        from . import driver, memory
         self.status, self.ring, self.capacity, self.device = status, ring, ring_capacity, device
         self.n = status.shape[0]
         self.launches = 0
@@ -115,7 +115,7 @@ class Pump:
             p.status, p.n = status.ptr, self.n
             p.payload = self.pinned.device_ptr + 8 * self.n * slot
             p.done = self.done.device_ptr + 8 * slot
-            self.slot_launches.append(driver.Launch(rt, "kvc_snapshot", 1, block, p, driver.PER_THREAD_STREAM,
+            self.slot_launches.append(Launch(rt, "kvc_snapshot", 1, block, p, driver.PER_THREAD_STREAM,
                                                     (status, self.pinned, self.done)))
 
     @property
@@ -151,7 +151,6 @@ class Pump:
 
     def drain(self, meta=None) -> list:
         """Wait for the device (context synchronise) and take every snapshot (shutdown, tests)."""
-        from . import memory
         memory.context_synchronize(self.device)
         return self.fifo.take()
 
@@ -160,7 +159,6 @@ class Pump:
         copy, on a stream of its own: not for the steps enqueued since."""
         if stop <= start:
             return np.zeros((0, abi.RING_COLS), np.int64)
-        from . import memory
         row = 8 * abi.RING_COLS
         memory.copy_async(self.ring_pinned.ptr + start * row, self.ring.ptr + start * row,
                           (stop - start) * row, self.ring_side, self.device)

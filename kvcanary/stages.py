@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 from . import abi, ops
 from .assembly import STAGES, Key
-from .driver import paired
+from .launch import paired
 from .errors import ValidationError
 from .packing import PackCache, arg_keys
 from .plan import BATCH_FIELD_NAMES, Batch

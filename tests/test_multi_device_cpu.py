@@ -22,6 +22,7 @@ import pytest
 
 import kvcanary as kc
 from kvcanary import abi, driver, memory
+from kvcanary.launch import Launch
 from kvcanary.manager import KvCanary, PoolGroup
 from tests import fake_cuda
 from tests.fake_cuda import OK, real
@@ -295,7 +296,7 @@ def test_the_fake_flags_a_launch_that_reads_another_devices_memory(fake):
     p = abi.VerifyParams()
     p.canary = foreign.ptr
     fake.immediate = False  # checked at launch, never run (its other pointers are NULL)
-    driver.Launch(driver.runtime(0), "kvc_verify", 1, 256, p, driver.PER_THREAD_STREAM)()
+    Launch(driver.runtime(0), "kvc_verify", 1, 256, p, driver.PER_THREAD_STREAM)()
     assert len(fake.errors) == 1 and "kvc_verify.canary" in fake.errors[0] and "cuda:0" in fake.errors[0]
 
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import kvcanary as kc
-from kvcanary import abi, driver, memory, ops
+from kvcanary import abi, memory, ops
+from kvcanary.launch import paired as paired_launch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.emulated]  # no GPU: kernels run in tests/emu
 
@@ -73,7 +74,7 @@ def test_a_paired_launch_equals_the_two_launches(mode, nsrc, hash_bytes, stage):
         verifies = [ops.prepare_fused_verify(ctx[h], db, plan, check_expected_token=True) for h in "KV"]
         for launches in (writes, verifies):
             if pair:
-                both = driver.paired(*launches)
+                both = paired_launch(*launches)
                 assert both is not None and both.grid_y == abi.HALVES and both.name == abi.PAIRED[launches[0].name]
                 both()
             else:
@@ -97,5 +98,5 @@ def test_launches_that_cannot_share_one_are_not_paired():
     v = context(words, [], abi.HashMode.NONE, abi.LaunchTag.HEAD_V_FULL, 0)
     write = ops.prepare_write(k, plan, db.input_ids, db.positions, db.out_cache_loc)
     verify = ops.prepare_fused_verify(v, db, plan)
-    assert driver.paired(write, verify) is None  # two kernels
-    assert driver.paired(ops.prepare_build_plan(db, plan)[0], ops.prepare_build_plan(db, plan)[0]) is None  # no pair
+    assert paired_launch(write, verify) is None  # two kernels
+    assert paired_launch(ops.prepare_build_plan(db, plan)[0], ops.prepare_build_plan(db, plan)[0]) is None  # no pair

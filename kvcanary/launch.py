@@ -1,0 +1,50 @@
+"""A packed kernel launch, and the K and V halves of a group paired into one (abi.PAIRED).
+
+Built by :mod:`kvcanary.prepare` (and the pump, the records copy), replayed by the stages and the
+eager ops: replaying one costs one ``cuLaunchKernel`` on its device's :class:`~.driver.DeviceRuntime`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+from . import abi
+from .driver import DeviceRuntime
+
+
+class Launch:
+    """A validated, packed kernel launch: replaying it costs one cuLaunchKernel.
+
+    Holds the params struct and its pointer array, so both outlive every launch of it. Pointers
+    inside are fixed: replay only while the arrays it was built from are alive and unchanged.
+    ``go(stream)`` is the bound launch (``DeviceRuntime.launcher``): hot loops call it directly.
+    Fields of ``params`` may be changed between launches (cuLaunchKernel copies the struct).
+    ``grid_y`` > 1: a paired launch (:func:`paired`), whose params hold one struct per half.
+    """
+
+    __slots__ = ("rt", "name", "grid", "grid_y", "block", "params", "_ptrs", "address", "stream", "keep", "go")
+
+    def __init__(self, rt: DeviceRuntime, name: str, grid: int, block: int, params, stream: int, keep=(),
+                 grid_y: int = 1):
+        self.rt, self.name, self.grid, self.block, self.params, self.stream = rt, name, grid, block, params, stream
+        self.grid_y = grid_y
+        self._ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        self.address = ctypes.addressof(self._ptrs)
+        self.keep = keep  # the objects owning every pointer in params stay alive with the launch
+        self.go = rt.launcher(name, grid, block, self.address, grid_y)
+
+    def __call__(self, stream: int | None = None) -> None:
+        self.go(self.stream if stream is None else stream)
+
+
+def paired(k: Launch, v: Launch) -> Launch | None:
+    """One launch running both ``k`` and ``v`` (the K and V halves of a group, each as its own
+    launch would run; abi.PAIRED, blockIdx.y picks the half), or None when they cannot share one:
+    another kernel or block size, another device or stream, or a kernel with no paired entry point.
+    The params are copied: later changes to ``k.params`` or ``v.params`` do not reach it."""
+    name = abi.PAIRED.get(k.name)
+    if name is None or v.name != k.name or v.block != k.block or v.rt is not k.rt or v.stream != k.stream:
+        return None
+    p = abi.CTYPES[abi.KERNELS[name]]()
+    p.half[0], p.half[1] = k.params, v.params
+    return Launch(k.rt, name, max(k.grid, v.grid), k.block, p, k.stream, (k.keep, v.keep), grid_y=abi.HALVES)
