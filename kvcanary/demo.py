@@ -131,7 +131,8 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     """Run the campaign and the clean run; 0 when every exercised covered injection was caught
     and the clean run reported nothing, 1 otherwise. Bad flags raise ValidationError before any
     work starts."""
-    from .sim import campaign, output
+    from .sim import campaign, output, workers
+    from .sim.clean import clean_run
     from .sim.faults import CLASSES, MODES
     classes = parse_list(args.classes, CLASSES, "--classes", "K1,K5,K12")
     modes = parse_list(args.modes, MODES, "--modes", "partial,all")
@@ -142,7 +143,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     if args.out:
         check_out_dir(args.out)
     backend = pick_backend(args.backend)
-    jobs = campaign.resolve_jobs(args.jobs, backend)
+    jobs = workers.resolve_jobs(args.jobs, backend)
     progress = output.Progress(None if args.progress == "auto" else args.progress == "on")
     print(f"kvcanary demo: {len(classes)} class(es) x {len(modes)} mode(s), {args.injections} injection(s) "
           f"each, backend {backend}" + (f", {jobs} worker processes" if jobs > 1 else ""), file=out, flush=True)
@@ -150,8 +151,8 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
                                    report=args.report, progress=progress, jobs=jobs)
     clean = []
     if args.clean_slots > 0:
-        clean.append(campaign.clean_run(args.clean_slots, hash_mode=modes[-1], backend=backend,
-                                        seed=args.seed, progress=progress, jobs=jobs))
+        clean.append(clean_run(args.clean_slots, hash_mode=modes[-1], backend=backend, seed=args.seed,
+                               progress=progress, jobs=jobs))
     print(output.format_table(result, clean), file=out)
     if args.out:
         files = [output.write_json(result, clean, os.path.join(args.out, "campaign.json"))]

@@ -14,7 +14,8 @@ import pytest
 
 from kvcanary import demo
 from kvcanary.errors import ValidationError, ValidationTypeError
-from kvcanary.sim import campaign
+from kvcanary.sim import campaign, workers
+from kvcanary.sim.clean import clean_run, merge_clean_runs
 from kvcanary.sim.faults import CLASSES, MODES, coverage
 from kvcanary.sim.output import format_table, not_covered_lines, passed, write_json
 
@@ -71,7 +72,7 @@ def test_raise_mode_detects_like_log_mode():
 
 
 def test_clean_run_verifies_a_million_slots_without_false_positives():
-    r = campaign.clean_run(10**6, hash_mode="all", seed=3)
+    r = clean_run(10**6, hash_mode="all", seed=3)
     assert r["verified_slots"] >= 10**6
     assert r["false_positives"] == 0, r["first_false_positives"]
     w = r["workload"]
@@ -124,8 +125,8 @@ def test_worker_failures_are_raised_not_dropped():
 
 def test_parallel_clean_run_merges_its_runs(tmp_path):
     min_verified, jobs = 60_000, 2
-    single = campaign.clean_run(min_verified, hash_mode="all", seed=3)
-    merged = campaign.clean_run(min_verified, hash_mode="all", seed=3, jobs=jobs)
+    single = clean_run(min_verified, hash_mode="all", seed=3)
+    merged = clean_run(min_verified, hash_mode="all", seed=3, jobs=jobs)
     assert set(merged) == set(single) | {"runs"} and merged["runs"] == jobs
     assert merged["verified_slots"] >= min_verified and merged["steps"] >= jobs
     assert merged["false_positives"] == 0 and merged["first_false_positives"] == []
@@ -145,7 +146,7 @@ def test_merge_clean_runs_sums_counts_and_keeps_five_false_positives():
                     workload=workload, seconds=1.0)
     a = run([{"slot": i} for i in range(4)], 3, requests=2, finished=1)
     b = run([{"slot": 10 + i} for i in range(3)], 5, requests=1, swept_slots=7)
-    m = campaign.merge_clean_runs([a, b], seeds=[7, 8])
+    m = merge_clean_runs([a, b], seeds=[7, 8])
     assert (m["steps"], m["verified_slots"], m["protected_tokens"]) == (8, 80, 8)
     assert (m["false_positives"], m["runs"]) == (7, 2)
     assert m["workload"] == {"requests": 3, "finished": 1, "swept_slots": 7}
@@ -160,15 +161,15 @@ def test_jobs_flag():
     assert p.parse_args([]).jobs == "auto"
     assert p.parse_args(["--jobs", "4"]).jobs == "4"
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    assert campaign.resolve_jobs("auto", "cpu") == cpus      # the default: every usable CPU ...
-    assert campaign.resolve_jobs("auto", "gpu") == 1         # ... but no workers sharing one GPU
-    assert campaign.resolve_jobs(0) == campaign.resolve_jobs("0") == cpus
-    assert campaign.resolve_jobs(3) == campaign.resolve_jobs(" 3 ") == 3 and campaign.resolve_jobs(1) == 1
+    assert workers.resolve_jobs("auto", "cpu") == cpus      # the default: every usable CPU ...
+    assert workers.resolve_jobs("auto", "gpu") == 1         # ... but no workers sharing one GPU
+    assert workers.resolve_jobs(0) == workers.resolve_jobs("0") == cpus
+    assert workers.resolve_jobs(3) == workers.resolve_jobs(" 3 ") == 3 and workers.resolve_jobs(1) == 1
     for bad in (-1, "-2", "many", "1.5"):
         with pytest.raises(ValidationError, match=r"^kv-canary: --jobs .*Fix: "):
-            campaign.resolve_jobs(bad)
+            workers.resolve_jobs(bad)
     with pytest.raises(ValidationTypeError, match="kv-canary: jobs must be an int"):
-        campaign.resolve_jobs(2.0)
+        workers.resolve_jobs(2.0)
     with pytest.raises(ValidationError, match="--jobs"):
         demo.run(p.parse_args(["--jobs", "-2", "--backend", "cpu"]))
 
@@ -214,7 +215,7 @@ def test_reduced_campaign_and_clean_run_on_the_gpu():
     res = campaign.run_campaign(CLASSES, MODES, injections=2, seed=2024, backend="gpu")
     assert passed(res), format_table(res)
     assert all(c["detected"] >= 1 for c in res["cells"].values() if c["covered"]), format_table(res)
-    clean = campaign.clean_run(10**6, hash_mode="all", backend="gpu", seed=3)
+    clean = clean_run(10**6, hash_mode="all", backend="gpu", seed=3)
     assert clean["verified_slots"] >= 10**6 and clean["false_positives"] == 0, clean["first_false_positives"]
 
 
@@ -251,7 +252,7 @@ def test_a_campaign_run_in_parts_merges_into_the_one_shot_campaign(tmp_path):
     whole = campaign.run_campaign(["K3", "K9", "K12"], MODES, injections=1, seed=5)
     a = campaign.run_campaign(["K12"], MODES, injections=1, seed=5)
     b = campaign.run_campaign(["K3", "K9"], MODES, injections=1, seed=5)
-    clean = [campaign.clean_run(2000, hash_mode="all", seed=s) for s in (1, 2)]
+    clean = [clean_run(2000, hash_mode="all", seed=s) for s in (1, 2)]
     paths = []
     for name, part, c in (("a", a, [clean[0]]), ("b", b, [clean[1]])):
         paths.append(write_json(part, c, str(tmp_path / name / "campaign.json")))

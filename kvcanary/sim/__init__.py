@@ -2,12 +2,13 @@
 injectors for the classes K1-K13 of FAULTS.md, and the campaign that measures what the canary
 catches (``python -m kvcanary demo``).
 
-- :mod:`.engine` — the engine (:class:`Engine`), :mod:`.cache` — allocation, prefix cache, host
-  tier, sweeps; :mod:`.kvpool` — KV tensors and the model's deterministic KV bytes;
-  :mod:`.state` — plain data.
+- :mod:`.engine` — the engine (:class:`Engine`), :mod:`.prefix_cache` — allocation, prefix cache,
+  host tier, sweeps; :mod:`.kvpool` — KV tensors and the model's deterministic KV bytes;
+  :mod:`.data` — plain data.
 - :mod:`.faults`, :mod:`.faults_step`, :mod:`.faults_kv` — one injector per class, and the
   coverage table (which hash mode can see which class).
-- :mod:`.campaign` — injections and clean runs; :mod:`.report` — table, JSON, heat map.
+- :mod:`.campaign` — injections; :mod:`.clean` — clean runs; :mod:`.workers` — their worker
+  processes; :mod:`.output` — table, JSON, heat map; :mod:`.merge` — campaigns run in parts.
 """
 
 from .engine import Engine, NoFault

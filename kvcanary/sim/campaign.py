@@ -1,5 +1,6 @@
 """Fault-injection campaign: for each class x hash mode, N independent seeded injections in
-randomized workloads of the simulated engine; plus long clean runs for false positives.
+randomized workloads of the simulated engine (the long clean runs for false positives are
+:mod:`.clean`'s).
 
 An injection is *detected* when the canary reported (mode "log" through the export callback,
 or mode "raise" through CanaryViolationError) a violation that names one of the fault's
@@ -10,20 +11,15 @@ run. Latency is counted in engine steps from the corruption to the first report,
 first read of the corrupted content to the first report (0: caught on the step that read it).
 
 Injections are independent and fully determined by their seed, so ``jobs > 1`` runs them in
-spawned worker processes (the campaign is bound by host Python, not by the device; spawn, not
-fork, because a CUDA context does not survive a fork) and gives the same records in the same order.
+spawned worker processes (:mod:`.workers`) and gives the same records in the same order.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
-import multiprocessing
-import os
 import time
 from collections import Counter
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, replace
 
 import numpy as np
@@ -34,6 +30,7 @@ from .faults import CLASSES, K1, K2, K3, K4, MODES, PARTIAL_NOTE, TITLES, covera
 from .faults_kv import K5, K6, K7, K10, K12
 from .faults_step import K8, K9, K11, K13
 from .data import SimConfig
+from .workers import gather, pool, resolve_jobs
 
 INJECTORS = {f.cls: f for f in (K1, K2, K3, K4, K5, K6, K7, K8, K9, K10, K11, K12, K13)}
 
@@ -118,57 +115,6 @@ def seed_for(seed: int, cls: str, mode: str, i: int) -> int:
     return int(np.random.SeedSequence([seed, CLASSES.index(cls), MODES.index(mode), i]).generate_state(1)[0])
 
 
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except AttributeError:  # macOS, Windows
-        return os.cpu_count() or 1
-
-
-def resolve_jobs(jobs: int | str = 1, backend: str = "cpu") -> int:
-    """Worker processes for a ``jobs`` setting: ``"auto"`` is one per usable CPU on the CPU
-    backend and 1 on the GPU (workers' CUDA contexts would time-slice the one device); 0 is one
-    per usable CPU; 1 runs in this process; N > 1 is N workers. Raises ValidationError otherwise."""
-    fix = "Fix: --jobs auto, 0 (one worker per CPU), 1 (run in this process) or a worker count"
-    if isinstance(jobs, str):
-        text = jobs.strip().lower()
-        if text == "auto":
-            return usable_cpus() if backend == "cpu" else 1
-        try:
-            jobs = int(text)
-        except ValueError:
-            raise ValidationError(f"kv-canary: --jobs expects auto or a worker count >= 0, got {jobs!r}. "
-                                  f"{fix}") from None
-    if isinstance(jobs, bool) or not isinstance(jobs, (int, np.integer)):
-        raise ValidationTypeError(f"kv-canary: jobs must be an int or 'auto', got {type(jobs).__name__}. {fix}")
-    if jobs < 0:
-        raise ValidationError(f"kv-canary: --jobs expects a worker count >= 0, got {jobs}. {fix}")
-    return usable_cpus() if jobs == 0 else int(jobs)
-
-
-def _pool(workers: int) -> ProcessPoolExecutor:
-    # spawn: a forked child would inherit a CUDA context it cannot use
-    return ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"))
-
-
-def _gather(pool: ProcessPoolExecutor, futures: dict, on_result) -> None:
-    """Wait for ``futures`` (future -> label) in completion order and hand each result to
-    ``on_result(future, result)``. A task that raised (or a worker that died) aborts the whole
-    run with that exception, its label noted, after cancelling what has not started."""
-    try:
-        for f in as_completed(futures):
-            try:
-                result = f.result()
-            except Exception as exc:
-                exc.add_note(f"kv-canary: raised in the worker process running {futures[f]}")
-                raise
-            on_result(f, result)
-    except BaseException:
-        pool.shutdown(wait=False, cancel_futures=True)
-        raise
-
-
 def _run_tasks(tasks: list[tuple[str, str, int]], *, backend: str, report: str, jobs: int,
                progress) -> list[dict]:
     """``run_injection`` for each ``(cls, mode, seed)``, records in task order."""
@@ -193,10 +139,10 @@ def _run_tasks(tasks: list[tuple[str, str, int]], *, backend: str, report: str, 
         if progress:
             progress(done, total, f"{tasks[k][0]} {tasks[k][1]}")
 
-    with _pool(min(jobs, total)) as pool:
-        index = {pool.submit(run_injection, c, m, s, backend=backend, report=report): k
+    with pool(min(jobs, total)) as workers:
+        index = {workers.submit(run_injection, c, m, s, backend=backend, report=report): k
                  for k, (c, m, s) in enumerate(tasks)}
-        _gather(pool, {f: "injection {} {} seed {}".format(*tasks[k]) for f, k in index.items()}, collect)
+        gather(workers, {f: "injection {} {} seed {}".format(*tasks[k]) for f, k in index.items()}, collect)
     missing = [tasks[k] for k, r in enumerate(records) if r is None]
     if missing:  # cannot happen unless a future was lost; never report a short campaign as complete
         raise RuntimeError(f"kv-canary: {len(missing)} injection(s) returned no record, e.g. {missing[0]}")
@@ -258,87 +204,3 @@ def _summary(rs: list[dict]) -> dict:
                 clean_violations=sum(r["clean_violations"] for r in rs),
                 errors=sum(r["error"] is not None for r in rs),
                 variants=dict(Counter(r["variant"] for r in rs if r["variant"])))
-
-
-def clean_config(seed: int = 0, **overrides) -> SimConfig:
-    """A busy clean workload: long shared contexts, big batches, SWA, drafts, offload, sweeps."""
-    cfg = SimConfig(num_slots=1 << 14, page_size=16, layers=2, max_running=32, max_len=2048,
-                    prompt_len=(600, 1500), output_len=(4, 16), chunk=512, share_prob=0.6,
-                    swa_window=64, spec_k=2, sweep_every=4, cache_entries=48, host_entries=8,
-                    admit_per_step=32, verify_capacity=1 << 17, sweep_capacity=1 << 15, seed=seed)
-    return replace(cfg, **overrides)
-
-
-def clean_run(min_verified: int = 10**6, *, hash_mode: str = "all", backend: str = "cpu", seed: int = 0,
-              max_steps: int = 10_000, progress=None, jobs: int = 1, **overrides) -> dict:
-    """Run a clean engine until the canary verified ``min_verified`` slots; every violation is a
-    false positive.
-
-    ``jobs`` > 1 (0: one per CPU) instead runs that many clean engines with seeds ``seed``,
-    ``seed + 1``, ... in spawned worker processes, each until ceil(min_verified / jobs) verified
-    slots, and merges them (see ``merge_clean_runs``)."""
-    jobs = resolve_jobs(jobs, backend)
-    if jobs > 1:
-        return _parallel_clean_run(min_verified, jobs, hash_mode=hash_mode, backend=backend, seed=seed,
-                                   max_steps=max_steps, progress=progress, **overrides)
-    eng = Engine(clean_config(seed, **overrides), hash_mode=hash_mode, backend=backend)
-    t0 = time.perf_counter()
-    while eng.t < max_steps:
-        eng.step()
-        verified = eng.stats()["verified_slots"]
-        if progress:
-            progress(min(verified, min_verified), min_verified, f"clean {hash_mode}")
-        if verified >= min_verified:
-            break
-    eng.finish()
-    eng.kv.health_check()  # a clean engine's canary ran every launch and delivered every self-test
-    s = eng.stats()
-    return dict(hash_mode=hash_mode, backend=backend, steps=eng.t, verified_slots=s["verified_slots"],
-                protected_tokens=s["protected_tokens"], false_positives=len(eng.violations),
-                first_false_positives=eng.violations[:5], workload=dict(eng.counts),
-                seconds=round(time.perf_counter() - t0, 2))
-
-
-def _parallel_clean_run(min_verified: int, jobs: int, *, hash_mode: str, backend: str, seed: int,
-                        max_steps: int, progress, **overrides) -> dict:
-    each = math.ceil(min_verified / jobs)
-    results: list = [None] * jobs
-    verified = 0
-    t0 = time.perf_counter()
-
-    def collect(f, r):
-        nonlocal verified
-        results[index[f]] = r
-        verified += r["verified_slots"]
-        if progress:
-            progress(min(verified, min_verified), min_verified, f"clean {hash_mode}")
-
-    if progress:
-        progress(0, min_verified, f"clean {hash_mode}")
-    with _pool(jobs) as pool:
-        index = {pool.submit(clean_run, each, hash_mode=hash_mode, backend=backend, seed=seed + i,
-                             max_steps=max_steps, **overrides): i for i in range(jobs)}
-        _gather(pool, {f: f"clean run seed {seed + i}" for f, i in index.items()}, collect)
-    merged = merge_clean_runs(results, seeds=[seed + i for i in range(jobs)])
-    merged["seconds"] = round(time.perf_counter() - t0, 2)
-    return merged
-
-
-def merge_clean_runs(runs: list[dict], seeds: list[int] | None = None) -> dict:
-    """One clean-run dict from several (same keys as ``clean_run`` plus ``runs``): counts summed,
-    the first five false positives kept in run order (each tagged with its run's seed when
-    ``seeds`` is given, so it can be replayed), workload counters added up, ``seconds`` the
-    longest run's (the caller overwrites it with the wall time)."""
-    first, workload = [], {}
-    for i, r in enumerate(runs):
-        for v in r["first_false_positives"]:
-            if len(first) < 5:
-                first.append(v if seeds is None else {**v, "run_seed": seeds[i]})
-        for k, n in r["workload"].items():
-            workload[k] = workload.get(k, 0) + n
-    keys = ("steps", "verified_slots", "protected_tokens", "false_positives")
-    sums = {k: sum(r[k] for r in runs) for k in keys}
-    return dict(hash_mode=runs[0]["hash_mode"], backend=runs[0]["backend"], steps=sums["steps"],
-                verified_slots=sums["verified_slots"], protected_tokens=sums["protected_tokens"],
-                false_positives=sums["false_positives"], first_false_positives=first, workload=workload,
-                seconds=max(r["seconds"] for r in runs), runs=len(runs))

@@ -8,7 +8,7 @@ The parts must share backend, seed and injections per cell; each class x mode ce
 one part only. Cells are rebuilt from the injections' records (the same summary a one-shot
 campaign computes); a part that is itself a summary (``campaign-summary.json``, e.g. one committed
 by an earlier session) gives its cells as they are. Clean runs are merged by
-:func:`campaign.merge_clean_runs` per hash mode.
+:func:`clean.merge_clean_runs` per hash mode.
 ``DIR/campaign-summary.json`` keeps the cells, the clean runs and only the injections that were
 not detected although exercised, or that failed (replay them by seed); ``DIR/campaign.json``
 keeps every record.
@@ -23,6 +23,7 @@ import sys
 
 from ..errors import ValidationError
 from . import campaign, output
+from .clean import merge_clean_runs
 from .faults import CLASSES, MODES
 
 
@@ -66,7 +67,7 @@ def merge(parts: list[dict]) -> tuple[dict, list[dict]]:
             clean_by_mode.setdefault(c["hash_mode"], []).append(c)
     clean = []
     for mode, cs in clean_by_mode.items():
-        merged = cs[0] if len(cs) == 1 else campaign.merge_clean_runs(cs)
+        merged = cs[0] if len(cs) == 1 else merge_clean_runs(cs)
         clean.append({**merged, "hash_mode": mode, "seconds": round(sum(c["seconds"] for c in cs), 2),
                       "runs": sum(c.get("runs", 1) for c in cs)})
     return result, clean

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from kvcanary.sim import campaign
+from kvcanary.sim.clean import clean_run
 from kvcanary.sim.faults import coverage
 
 pytestmark = [pytest.mark.gpu, pytest.mark.emulated]
@@ -30,7 +31,7 @@ def test_device_campaign_catches_every_exercised_injection():
 def test_device_clean_run_reports_nothing():
     """50 requests a step (so the fused verify runs request-major tasks), SWA, drafts, offload and
     sweeps: nothing is reported."""
-    r = campaign.clean_run(100_000, hash_mode="partial", backend="gpu", seed=3, max_running=48, admit_per_step=48,
+    r = clean_run(100_000, hash_mode="partial", backend="gpu", seed=3, max_running=48, admit_per_step=48,
                            num_slots=1 << 16, prompt_len=(100, 400), verify_capacity=1 << 18)
     assert r["verified_slots"] >= 100_000
     assert r["false_positives"] == 0, r["first_false_positives"]
