@@ -19,17 +19,17 @@ The engine's cache, block pool and scheduling are left whole: canary slots are t
 token positions (:class:`~.transformers_layout.PagedLayout`), so attaching the canary changes
 neither which blocks requests get nor what is generated. The canary reads what the attention
 reads: request lengths from ``cu_seq_lens_q/k``, slots from ``read_index`` (expanded on the device
-into a ``req_to_token`` map) and ``write_index``, tokens and positions from the model inputs. Only
-the expected tokens come from the host. Supported: models whose layers all use full attention (one
-cache allocator), one generation at a time; forks (``num_return_sequences > 1``) copy KV blocks
-without their canary records and are refused.
+into a ``req_to_token`` map) and ``write_index``, tokens and positions from the model inputs
+(:mod:`.transformers_batch`). Only the expected tokens come from the host. Supported: models whose
+layers all use full attention (one cache allocator), one generation at a time; forks
+(``num_return_sequences > 1``) copy KV blocks without their canary records and are refused.
 """
 
 from __future__ import annotations
 
 import warnings
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..errors import ValidationError, ValidationTypeError
 from ..manager import KvCanary, PoolGroup
@@ -37,6 +37,7 @@ from ..plan import Batch
 from ..reporting import MODES
 from ..validate import boolean, callable_or_none, choice, fail, hash_mode as parse_hash_mode
 from .common import canary_kwargs, check_layers
+from .transformers_batch import Scheduled, StepBatches, tokens
 from .transformers_layout import PagedLayout, check_transformers_version
 
 
@@ -53,25 +54,6 @@ class StepInfo:
     batch_data: dict
     cache: object
     batch: Batch | None = None
-
-
-@dataclass
-class _Pending:
-    requests: list = field(default_factory=list)
-    states: list = field(default_factory=list)
-    ids: list = field(default_factory=list)
-    positions: list = field(default_factory=list)
-    max_len: int = 0
-
-
-def _tokens(state, start: int, count: int) -> list[int]:
-    """Tokens at positions [start, start + count) of prompt + generated tokens, without concatenating."""
-    first = state.initial_tokens
-    end = start + count
-    if end <= len(first):
-        return list(first[start:end])
-    head = list(first[start:]) if start < len(first) else []
-    return head + list(state.generated_tokens[max(0, start - len(first)):end - len(first)])
 
 
 def _installed_transformers() -> str:
@@ -121,8 +103,8 @@ class TransformersCanary:
         self.step_log: list[dict] = []
         self._patched: list = []          # (object, attribute name) of every instance patch
         self._finished: list[dict] = []   # final stats of canaries of earlier sessions
-        self._pending = _Pending()
-        self._rtt = None
+        self._pending = Scheduled()
+        self._batches: StepBatches | None = None
 
     # ---- attach / detach ---------------------------------------------------------------------------
     def __enter__(self) -> "TransformersCanary":
@@ -198,7 +180,8 @@ class TransformersCanary:
         self.canary = KvCanary(PoolGroup(layout.num_slots, k, v), device=device, hash_mode=self.hash_mode,
                                mode=self.mode, max_batch=io.max_requests_per_batch, export=self._record,
                                **self.kvcanary_kwargs)
-        self.cache, self.layout, self._rtt = cache, layout, None
+        self.cache, self.layout = cache, layout
+        self._batches = StepBatches(layout, self.canary.plans["FULL"].max_batch + 1)
         processor._kvcanary = self
         prepare, compute = io.prepare_batch_tensors, processor.model_runner.compute_batch
 
@@ -214,7 +197,7 @@ class TransformersCanary:
     # ---- per step ----------------------------------------------------------------------------------
     def _note_requests(self, requests_in_batch) -> None:
         """After ``prepare_batch_tensors`` (which advanced each ``position_offset`` by the query)."""
-        p = _Pending()
+        p = Scheduled()
         for future in requests_in_batch:
             state, q = future.state, future.query_length
             past = state.position_offset - q
@@ -223,13 +206,13 @@ class TransformersCanary:
             self.requests.add(state.request_id)
             p.requests.append((state.request_id, past, q))
             p.states.append(state)
-            p.ids.extend(_tokens(state, past, q))
+            p.ids.extend(tokens(state, past, q))
             p.positions.extend(range(past, past + q))
             p.max_len = max(p.max_len, past + q)
         self._pending = p
 
     def _step(self, compute, model, batch_data, stream) -> None:
-        import torch
+        import torch  # on first use: torch stays optional (import kvcanary.adapters never imports it)
         pending = self._pending
         info = StepInfo(self.steps, pending.requests, pending.states, batch_data, self.cache)
         if self.before_step is not None:
@@ -238,7 +221,7 @@ class TransformersCanary:
         if stream is not None:  # the inputs were filled on the current stream: order the step after them
             stream.wait_stream(torch.cuda.current_stream(stream.device))
         with scope():
-            info.batch = self._batch(batch_data, pending)
+            info.batch = self._batches.batch(batch_data, pending, self.check_inputs)
             self.canary.before_forward(info.batch, stream=stream)
         compute(model, batch_data)
         with scope():
@@ -249,49 +232,6 @@ class TransformersCanary:
                               "new_tokens": len(pending.ids),
                               "cached_tokens": sum(past for _, past, _ in pending.requests)})
         self.steps += 1
-
-    def _req_to_token(self, rows: int, length: int, like):
-        """The persistent int32 [rows, >= length] map, grown (doubling) on the host's say-so only."""
-        import torch
-        if self._rtt is None or self._rtt.shape[1] < length:
-            cols = max(length, 2 * (0 if self._rtt is None else self._rtt.shape[1]), 256)
-            self._rtt = torch.zeros((rows, cols), dtype=torch.int32, device=like.device)
-        return self._rtt
-
-    def _batch(self, data: dict, pending: _Pending) -> Batch:
-        import torch
-        cu_q, cu_k = data["cu_seq_lens_q"], data["cu_seq_lens_k"]
-        if isinstance(cu_k, dict):
-            cu_k = cu_k["full_attention"]
-        cu_q, cu_k = cu_q.to(torch.int64), cu_k.to(torch.int64)
-        n = int(cu_q.shape[0]) - 1
-        extend = cu_q[1:] - cu_q[:-1]
-        prefix = cu_k[1:] - cu_k[:-1] - extend
-        read, write = data["read_index"][0], data["write_index"][0]
-        rtt = self._req_to_token(self.canary.plans["FULL"].max_batch + 1, pending.max_len, cu_q)
-        if read.numel() and n > 0:  # request r's read slots, positions 0.., go to row r + 1
-            j = torch.arange(read.numel(), device=read.device)
-            r = torch.searchsorted(cu_k[1:].contiguous(), j, right=True).clamp_(max=n - 1)
-            col = (j - cu_k[r]).clamp_(0, rtt.shape[1] - 1)  # bad lengths: wrong slots, never a device fault
-            rtt[r + 1, col] = self.layout.to_slots(read).to(torch.int32)
-        ids = data["input_ids"][0].to(torch.int64)
-        pos = data["position_ids"][0].to(torch.int64)
-        exp_ids = exp_pos = None
-        if self.check_inputs:
-            t = int(ids.shape[0])
-            # A copy from pageable memory to a CUDA device waits for the stream (the host stalls
-            # behind the previous step's forward): stage in pinned memory and copy asynchronously.
-            # torch's pinned allocator reuses the block only once the copy is done.
-            cuda = ids.device.type == "cuda"
-            exp = torch.zeros((2, t), dtype=torch.int64, pin_memory=cuda)
-            m = min(t, len(pending.ids))
-            exp[0, :m] = torch.tensor(pending.ids[:m], dtype=torch.int64)
-            exp[1, :m] = torch.tensor(pending.positions[:m], dtype=torch.int64)
-            exp = exp.to(ids.device, non_blocking=cuda)
-            exp_ids, exp_pos = exp[0], exp[1]
-        return Batch(torch.arange(1, n + 1, device=cu_q.device), prefix, extend, rtt, input_ids=ids,
-                     positions=pos, out_cache_loc=self.layout.to_slots(write), expected_input_ids=exp_ids,
-                     expected_positions=exp_pos)
 
     # ---- reporting ---------------------------------------------------------------------------------
     def _record(self, record: dict) -> None:

@@ -1,0 +1,89 @@
+"""The canary :class:`~kvcanary.Batch` of one ``transformers`` continuous-batching step
+(:mod:`.transformers_paged`): what the host noted of the scheduled requests after
+``prepare_batch_tensors`` (:class:`Scheduled`), and the step's model inputs read where they are:
+request lengths from ``cu_seq_lens_q/k``, slots from ``read_index`` (expanded on the device into
+the persistent ``req_to_token`` map) and ``write_index``, tokens and positions from the model
+inputs. Only the expected tokens come from the host, copied without blocking.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..plan import Batch
+
+
+@dataclass
+class Scheduled:
+    """One step's requests as the host noted them: ``requests`` ``[(request_id, past_len, query_len)]``
+    in batch order, their RequestStates, the expected tokens and positions of the new tokens in
+    order, and the longest request (past + query)."""
+
+    requests: list = field(default_factory=list)
+    states: list = field(default_factory=list)
+    ids: list = field(default_factory=list)
+    positions: list = field(default_factory=list)
+    max_len: int = 0
+
+
+def tokens(state, start: int, count: int) -> list[int]:
+    """Tokens at positions [start, start + count) of prompt + generated tokens, without concatenating."""
+    first = state.initial_tokens
+    end = start + count
+    if end <= len(first):
+        return list(first[start:end])
+    head = list(first[start:]) if start < len(first) else []
+    return head + list(state.generated_tokens[max(0, start - len(first)):end - len(first)])
+
+
+class StepBatches:
+    """The Batch of each step over one cache :class:`~.transformers_layout.PagedLayout`; the
+    ``req_to_token`` map (``rows`` rows: the canary's max_batch + 1) is kept across steps."""
+
+    def __init__(self, layout, rows: int):
+        self.layout, self.rows, self.rtt = layout, rows, None
+
+    def req_to_token(self, length: int, like):
+        """The persistent int32 [rows, >= length] map, grown (doubling) on the host's say-so only."""
+        import torch  # on first use: torch stays optional (import kvcanary.adapters never imports it)
+        if self.rtt is None or self.rtt.shape[1] < length:
+            cols = max(length, 2 * (0 if self.rtt is None else self.rtt.shape[1]), 256)
+            self.rtt = torch.zeros((self.rows, cols), dtype=torch.int32, device=like.device)
+        return self.rtt
+
+    def batch(self, data: dict, pending: Scheduled, check_inputs: bool) -> Batch:
+        """The canary Batch of a step from its model kwargs ``data`` (device tensors) and what the
+        host noted of it (``pending``); ``check_inputs``: with the expected tokens and positions."""
+        import torch  # on first use, as above
+        cu_q, cu_k = data["cu_seq_lens_q"], data["cu_seq_lens_k"]
+        if isinstance(cu_k, dict):
+            cu_k = cu_k["full_attention"]
+        cu_q, cu_k = cu_q.to(torch.int64), cu_k.to(torch.int64)
+        n = int(cu_q.shape[0]) - 1
+        extend = cu_q[1:] - cu_q[:-1]
+        prefix = cu_k[1:] - cu_k[:-1] - extend
+        read, write = data["read_index"][0], data["write_index"][0]
+        rtt = self.req_to_token(pending.max_len, cu_q)
+        if read.numel() and n > 0:  # request r's read slots, positions 0.., go to row r + 1
+            j = torch.arange(read.numel(), device=read.device)
+            r = torch.searchsorted(cu_k[1:].contiguous(), j, right=True).clamp_(max=n - 1)
+            col = (j - cu_k[r]).clamp_(0, rtt.shape[1] - 1)  # bad lengths: wrong slots, never a device fault
+            rtt[r + 1, col] = self.layout.to_slots(read).to(torch.int32)
+        ids = data["input_ids"][0].to(torch.int64)
+        pos = data["position_ids"][0].to(torch.int64)
+        exp_ids = exp_pos = None
+        if check_inputs:
+            t = int(ids.shape[0])
+            # A copy from pageable memory to a CUDA device waits for the stream (the host stalls
+            # behind the previous step's forward): stage in pinned memory and copy asynchronously.
+            # torch's pinned allocator reuses the block only once the copy is done.
+            cuda = ids.device.type == "cuda"
+            exp = torch.zeros((2, t), dtype=torch.int64, pin_memory=cuda)
+            m = min(t, len(pending.ids))
+            exp[0, :m] = torch.tensor(pending.ids[:m], dtype=torch.int64)
+            exp[1, :m] = torch.tensor(pending.positions[:m], dtype=torch.int64)
+            exp = exp.to(ids.device, non_blocking=cuda)
+            exp_ids, exp_pos = exp[0], exp[1]
+        return Batch(torch.arange(1, n + 1, device=cu_q.device), prefix, extend, rtt, input_ids=ids,
+                     positions=pos, out_cache_loc=self.layout.to_slots(write), expected_input_ids=exp_ids,
+                     expected_positions=exp_pos)
