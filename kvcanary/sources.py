@@ -214,7 +214,11 @@ def source_from_slots(pool, *, read_bytes: int | None = None) -> RealKvSource:
 
 
 def sources_from_vllm(cache, *, read_bytes: int | None = None) -> tuple[RealKvSource, RealKvSource]:
-    """A vLLM-style cache ``[2, blocks, block_size, heads, dim]``: (K half, V half)."""
+    """A split cache ``[2, blocks, block_size, heads, dim]`` whose dims after the first are
+    contiguous: (K half, V half), each as :func:`sources_from_pages` builds it (``read_bytes`` exact,
+    as :class:`RealKvSource` takes it). For vLLM's own per-layer caches (packed ``KVCacheLayout``
+    views, HND strides, MLA) use :func:`kvcanary.adapters.vllm_layer_sources`, which detects the
+    layout and caps ``read_bytes`` per layer."""
     v = as_view(cache, name="cache")
     if len(v.shape) < 4 or v.shape[0] != 2:
         raise ValidationError(f"kv-canary: a vLLM-style cache must be [2, num_blocks, block_size, "
