@@ -7,6 +7,10 @@ import argparse
 import os
 import sys
 
+from . import __version__, abi
+from .demo import Parser, add_arguments, run_cli
+from .doctor import run as run_doctor
+
 
 def prog_name(argv0: str | None = None) -> str:
     """The name the user typed: ``kvcanary`` for the console script, else ``python -m kvcanary``
@@ -16,8 +20,6 @@ def prog_name(argv0: str | None = None) -> str:
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
-    from . import __version__, abi
-    from .demo import Parser, add_arguments
     parser = Parser(prog=prog, description="kvcanary: a canary for the paged KV cache of LLM serving engines.")
     parser.add_argument("--version", action="version",
                         version=f"kvcanary {__version__} (canary format v{abi.FORMAT_VERSION})")
@@ -47,9 +49,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
             return 2
         raise
     if args.command == "doctor":
-        from .doctor import run
-        return run()
-    from .demo import run_cli
+        return run_doctor()
     return run_cli(args, f"{prog} demo")
 
 

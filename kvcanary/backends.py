@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import abi, streams
+from . import abi, driver, memory, streams
 from .arrays import from_pointer
+from .launch import Launch
+from .pump import Pump
+from .records import host_slots
+from .state import checked
 
 
 class HostBackend:
@@ -56,7 +60,6 @@ class HostBackend:
 
     def record_slots(self, slots, num_slots: int, what: str):
         """(the slots as ``copy_records`` takes them, their count): host slots, each checked."""
-        from .records import host_slots
         host = host_slots(slots, num_slots, what)
         return host, len(host)
 
@@ -99,16 +102,13 @@ class CudaBackend:
     cached_launches = True  # packed launches replay while the batch's array layout is the same
 
     def __init__(self, device: int):
-        from . import driver
         self.device, self.rt = device, driver.runtime(device)
         self._sweep_staging = self._sweep_done = self._pump = None
 
     def zeros(self, shape, dtype):
-        from . import memory
         return memory.zeros(shape, dtype, self.device)
 
     def to_device(self, host: np.ndarray):
-        from . import memory
         return memory.to_device(np.ascontiguousarray(host), self.device)
 
     def records_array(self, records):
@@ -135,7 +135,6 @@ class CudaBackend:
         return self.rt.capturing(stream)
 
     def pump(self, status, ring):
-        from .pump import Pump
         self._pump = Pump(status, ring, ring.shape[0], self.device)
         return self._pump
 
@@ -153,7 +152,6 @@ class CudaBackend:
     def set_consumed(self, status, value: int, stream: int) -> None:
         """The host's consumed mark into the status cell, in stream order: two 32-bit memsets that
         carry their values (no host buffer that must outlive the call)."""
-        from . import driver
         d, ptr = driver._driver(), status.ptr + 8 * abi.STATUS_CONSUMED
         s = driver.PER_THREAD_STREAM if stream is None else stream  # any order is safe: the mark only grows
         for k, word in enumerate((value & abi.INT32_MASK, (value >> 32) & abi.INT32_MASK)):
@@ -163,8 +161,6 @@ class CudaBackend:
     def record_slots(self, slots, num_slots: int, what: str):
         """(a device int64 [n] view of the slots, n): host sequences are checked and uploaded;
         device slots are not read (the kernel reports each one outside the pool)."""
-        from .records import host_slots
-        from .state import checked
         if isinstance(slots, (list, tuple, np.ndarray, int, np.integer)):
             slots = self.to_device(host_slots(slots, num_slots, what))
         view = checked(slots, "slots", dtype=np.int64, ndim=1)
@@ -173,8 +169,6 @@ class CudaBackend:
     def copy_records(self, bufs, slots, records, to_buffers: bool, ctx, stream: int) -> None:
         """One kvc_copy_records launch on ``stream``: records of ``slots`` (a device int64 [n] view)
         out of (or into) the buffers; a slot outside them is reported through ``ctx``'s sink."""
-        from .launch import Launch
-        from .state import checked
         records = checked(records, "records", dtype=np.int64, ndim=3)
         p = abi.RecordsParams()
         ctx.sink.pack_ring(p, ctx.tag)
@@ -190,7 +184,6 @@ class CudaBackend:
     def stage_sweep(self, plan, host: dict, n: int, stream: int) -> None:
         """Upload a host sweep plan through pinned memory on ``stream`` (the previous upload has
         left the staging buffer before it is refilled)."""
-        from . import memory
         cap = plan.verify_capacity
         if self._sweep_staging is None:
             self._sweep_staging = memory.PinnedBuffer((5, cap), np.int64, self.device)

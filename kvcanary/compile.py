@@ -61,8 +61,15 @@ def configured_archs() -> tuple[int, ...]:
     return archs
 
 
-def nvrtc_version() -> tuple[int, int]:
+def _nvrtc():
+    """cuda.bindings.nvrtc, imported on first use: a warm ``import kvcanary`` loads the cubins from
+    the cache and never needs it (importing it takes about 0.1 s)."""
     from cuda.bindings import nvrtc
+    return nvrtc
+
+
+def nvrtc_version() -> tuple[int, int]:
+    nvrtc = _nvrtc()
     _, major, minor = nvrtc.nvrtcVersion()
     return int(major), int(minor)
 
@@ -96,13 +103,13 @@ def nvrtc_identity() -> str:
 
 
 def supported_archs() -> tuple[int, ...]:
-    from cuda.bindings import nvrtc
+    nvrtc = _nvrtc()
     _, archs = nvrtc.nvrtcGetSupportedArchs()
     return tuple(int(a) for a in archs)
 
 
 def _check(result, what: str) -> None:
-    from cuda.bindings import nvrtc
+    nvrtc = _nvrtc()
     if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
         raise CompileError(f"kv-canary: {what} failed with {result.name}")
 
@@ -116,7 +123,7 @@ def _out_buffer(size: int) -> bytes:
 def compile_cubin(sources: dict[str, str], prelude: str, arch: int,
                   options: tuple[str, ...] = OPTIONS) -> bytes:
     """Compile every .cu of ``sources`` as one NVRTC program for sm_<arch>; return the cubin."""
-    from cuda.bindings import nvrtc
+    nvrtc = _nvrtc()
     main = "".join(f'#include "{name}"\n' for name in sources if name.endswith(".cu"))
     headers = {PRELUDE_NAME: prelude, **sources}
     err, prog = nvrtc.nvrtcCreateProgram(main.encode(), b"kvcanary_kernels.cu", len(headers),

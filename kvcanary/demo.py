@@ -16,7 +16,11 @@ import argparse
 import os
 import sys
 
-from .errors import NoCudaDriverError, ValidationError, ValidationTypeError
+from . import driver
+from .errors import KvCanaryError, NoCudaDriverError, ValidationError, ValidationTypeError
+from .sim import campaign, output, workers
+from .sim.clean import clean_run
+from .sim.faults import CLASSES, MODES
 
 EVERY = "every"  # --modes / --classes: every hash mode / every class
 
@@ -85,8 +89,6 @@ def pick_backend(choice: str) -> str:
     """"cpu" or "gpu" for ``--backend``; "gpu" with no usable GPU is a ValidationError."""
     if choice == "cpu":
         return "cpu"
-    from . import driver
-    from .errors import KvCanaryError
     try:
         reason = None if driver.device_count() > 0 else "the CUDA driver reports 0 devices"
     except NoCudaDriverError:
@@ -131,9 +133,6 @@ def run(args: argparse.Namespace, out=sys.stdout) -> int:
     """Run the campaign and the clean run; 0 when every exercised covered injection was caught
     and the clean run reported nothing, 1 otherwise. Bad flags raise ValidationError before any
     work starts."""
-    from .sim import campaign, output, workers
-    from .sim.clean import clean_run
-    from .sim.faults import CLASSES, MODES
     classes = parse_list(args.classes, CLASSES, "--classes", "K1,K5,K12")
     modes = parse_list(args.modes, MODES, "--modes", "partial,all")
     campaign.check_injections(args.injections)

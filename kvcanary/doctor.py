@@ -7,6 +7,9 @@ import sys
 
 import numpy as np
 
+import kvcanary
+from . import abi, driver, errors, memory
+
 
 def _version(dist: str) -> str:
     try:
@@ -17,8 +20,6 @@ def _version(dist: str) -> str:
 
 def run(out=sys.stdout) -> int:
     """Print the report; return 0 when everything needed works (a missing GPU is not an error)."""
-    import kvcanary
-    from kvcanary import abi, driver, errors, memory
     c = kvcanary.COMPILED
     say = lambda k, v: print(f"{k:<22} {v}", file=out)  # noqa: E731
     say("kvcanary", kvcanary.__version__)

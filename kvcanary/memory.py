@@ -7,12 +7,13 @@ array or a consumer's DLPack capsule) goes away. Plus the few copies and fills t
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 
 from . import driver
+from .dlpack import kDLCUDA, make_capsule
 from .driver import check
-
-KDL_CUDA = 2
 
 
 class _Allocation:
@@ -62,13 +63,12 @@ class DeviceArray:
                 "strides": None, "version": 3, "stream": None}
 
     def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
-        from .dlpack import make_capsule
         versioned = max_version is not None and tuple(max_version) >= (1, 0)
-        return make_capsule(self.ptr, self.shape, self.dtype, KDL_CUDA, self.device, self,
+        return make_capsule(self.ptr, self.shape, self.dtype, kDLCUDA, self.device, self,
                             versioned=versioned)
 
     def __dlpack_device__(self) -> tuple[int, int]:
-        return (KDL_CUDA, self.device)
+        return (kDLCUDA, self.device)
 
     def __repr__(self) -> str:
         return f"DeviceArray(shape={self.shape}, dtype={self.dtype}, device={self.device})"
@@ -158,7 +158,6 @@ class PinnedBuffer:
         if mapped:
             err, dptr = self.rt.call(d.cuMemHostGetDevicePointer, self.ptr, 0)
             self.device_ptr = self.ptr if err else int(dptr)
-        import ctypes
         raw = (ctypes.c_ubyte * max(nbytes, 1)).from_address(self.ptr)
         self.array = np.frombuffer(raw, np.uint8, nbytes).view(self.dtype).reshape(self.shape)
         self.array[...] = 0

@@ -59,7 +59,7 @@ class MetricsUnavailableError(KvCanaryError, ImportError):
 
 
 def _prometheus():
-    try:
+    try:  # on first use: prometheus_client is optional (the kvcanary[metrics] extra)
         import prometheus_client
     except ImportError as exc:
         raise MetricsUnavailableError(

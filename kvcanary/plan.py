@@ -16,7 +16,7 @@ import numpy as np
 from .arrays import ArrayView
 from .abi import BatchField
 from .errors import BatchValueError, ValidationError
-from .state import alloc_zeros, checked, same_device
+from .state import ViolationSink, alloc_zeros, checked, same_device
 from .validate import INT32_MAX, boolean, integer
 
 OFFSET_LIMIT = 1 << 62      # |expected_token_offset|: position + offset stays inside int64 on the device
@@ -220,5 +220,4 @@ class StepPlan:
 
 
 def _new_reject_sink(device):
-    from .state import ViolationSink
     return ViolationSink.allocate(REJECT_RING_ROWS, device=device)

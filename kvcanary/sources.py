@@ -8,7 +8,7 @@ copying, so the canary always reads the live pool.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 import numpy as np
@@ -17,14 +17,13 @@ from . import abi
 from .arrays import ArrayView, as_view, from_pointer
 from .dlpack import ndarray_at
 from .errors import ValidationError, ValidationTypeError
-from .validate import INT32_MAX, fail, integer, optional_integer
+from .validate import INT32_MAX, fail, hash_mode as parse_hash_mode, integer, optional_integer
 
 def resolved(view: ArrayView) -> ArrayView:
     """``view`` with an unknown CUDA ordinal (-1, e.g. a bare CAI producer) asked of the driver."""
     if view.device != -1:
         return view
-    from dataclasses import replace
-    from .driver import pointer_device
+    from .driver import pointer_device  # here: validation never imports the driver (STYLE.md 7), only asks it
     return replace(view, device=pointer_device(view.ptr))
 
 
@@ -110,8 +109,7 @@ def source_list(sources, name: str = "real_kv_sources") -> tuple[RealKvSource, .
 
 def marshal_sources(sources: Sequence[RealKvSource], mode: abi.HashMode, num_slots: int) -> tuple[MarshalledSource, ...]:
     """Validate sources for a launch; mode NONE fingerprints nothing (no sources are read)."""
-    from .validate import hash_mode
-    sources, mode = source_list(sources), hash_mode(mode, "hash mode")
+    sources, mode = source_list(sources), parse_hash_mode(mode, "hash mode")
     if len(sources) > abi.MAX_REAL_KV_SOURCES:
         raise ValidationError(f"kv-canary: at most {abi.MAX_REAL_KV_SOURCES} RealKvSource entries "
                               f"supported by the CUDA ABI, got {len(sources)}. Fix: fingerprint fewer "

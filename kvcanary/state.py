@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from . import abi
+from . import abi, memory
 from .arrays import ArrayView, as_view
 from .errors import ValidationError, ValidationTypeError
 from .sources import MarshalledSource, RealKvSource, marshal_sources, resolved, source_list
@@ -34,7 +34,6 @@ def alloc_zeros(shape, dtype, device: int | None):
             raise ValidationError(f"kv-canary: host memory for a {tuple(shape)} {np.dtype(dtype).name} array must be "
                                   f"available, got none for its {nbytes} bytes (numpy could not allocate them). "
                                   f"Fix: ask for fewer slots or rows") from None
-    from . import memory
     return memory.zeros(shape, dtype, device)
 
 
@@ -216,7 +215,6 @@ class VerifyContext:
         if self.self_test_every:  # the canary-only known-bad record (docs/format.md §11)
             bad = np.array([abi.SELF_TEST_TOKEN, abi.SELF_TEST_POSITION + 1, 0, 0], np.int64)
             if self.device is not None:
-                from . import memory
                 bad = memory.to_device(bad, device=self.device)
             self._self_test = bad
             self.self_test_view = checked(bad, "self_test", dtype=np.int64, shape=(abi.FIELDS_PER_SLOT,), ndim=1)
@@ -243,7 +241,6 @@ class VerifyContext:
         if self.device is None:
             self.flag_view.host[...] = value
         else:
-            from . import memory
             memory.copy_from_host_ptr(self.flag_view.ptr, value, self.device)
 
     def _pack_sources(self):
@@ -256,7 +253,6 @@ class VerifyContext:
         raw = np.frombuffer(bytes(descs), np.uint8)
         if self.device is None:
             return raw.copy()
-        from . import memory
         return memory.to_device(raw, device=self.device)
 
     @property

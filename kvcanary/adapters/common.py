@@ -8,6 +8,7 @@ importing kvcanary never imports torch or CuPy.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import warnings
 from collections import OrderedDict
@@ -16,7 +17,10 @@ from typing import Sequence
 import numpy as np
 
 from .. import abi
+from ..arrays import as_view
 from ..errors import ValidationError, ValidationTypeError
+from ..manager import KvCanary
+from ..sources import resolved
 from ..validate import fail, integer, is_int
 
 _LAYERS = "None, 'first', 'all', an int or a list of ints"
@@ -72,8 +76,6 @@ def select_layers(num_layers: int, layers=None, *, sources_per_layer: int = 1, w
 def canary_kwargs(kwargs: dict, where: str, taken: tuple[str, ...] = ("device",)) -> dict:
     """``kwargs`` if every name is a :class:`~kvcanary.KvCanary` keyword argument that ``where``
     does not set itself (``taken``)."""
-    import inspect
-    from ..manager import KvCanary
     known = set(inspect.signature(KvCanary.__init__).parameters) - {"self", "full", "swa", *taken}
     unknown = sorted(set(kwargs) - known)
     if unknown:
@@ -232,8 +234,6 @@ def where(cond, a, b):
 
 def device_ordinal(x) -> int | None:
     """The CUDA ordinal an array lives on, or None for host memory."""
-    from ..arrays import as_view
-    from ..sources import resolved
     return resolved(as_view(x, name="pool tensor")).device
 
 

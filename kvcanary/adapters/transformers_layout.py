@@ -113,7 +113,7 @@ class PagedLayout:
     def to_slots(self, index):
         """Canary slots (int64) of the physical cache indices ``index`` (a torch tensor), elementwise on
         its device; indices that name no token map to ``num_slots`` (out of range)."""
-        import torch
+        import torch  # on first use: torch stays optional (import kvcanary.adapters never imports it)
         p = index.to(torch.int64)
         offset = torch.remainder(p, self.stride)
         slots = torch.div(p, self.stride, rounding_mode="floor") * self.page_size + offset

@@ -57,7 +57,7 @@ class StepInfo:
 
 
 def _installed_transformers() -> str:
-    try:
+    try:  # on first use: transformers is optional (the kvcanary[transformers] extra)
         import transformers
     except ImportError as exc:
         raise ValidationError(f"kv-canary: TransformersCanary needs transformers installed, got {type(exc).__name__}: "

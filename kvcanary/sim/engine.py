@@ -16,8 +16,10 @@ from collections import Counter
 
 import numpy as np
 
+from kvcanary import memory
 from kvcanary.errors import BatchValueError, CanaryViolationError
 from kvcanary.manager import KvCanary, PoolGroup
+from kvcanary.plan import Batch
 
 from .prefix_cache import Cache
 from .kvpool import Pool, make_specs, sync
@@ -230,7 +232,6 @@ class Engine:
         return out
 
     def _batch(self, ln: Lanes):
-        from kvcanary.plan import Batch
         # the step's batch is fixed here (a copy): later changes to the engine's lanes are not seen
         d = (lambda a: np.array(a)) if self.device is None else (lambda a: _dev(a, self.device))
         sync(self.device)  # the previous step's launches may still read arrays about to be replaced
@@ -287,5 +288,4 @@ class Engine:
 
 
 def _dev(host: np.ndarray, device: int):
-    from kvcanary import memory
     return memory.to_device(np.ascontiguousarray(host), device)

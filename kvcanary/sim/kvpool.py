@@ -15,6 +15,7 @@ import zlib
 
 import numpy as np
 
+from kvcanary import driver, memory
 from kvcanary.hashing import sm_np
 from kvcanary.sources import RealKvSource
 
@@ -59,7 +60,6 @@ class Pool:
         self.host = {n: np.zeros((rows, page_size * b), np.uint8) for n, (b, _, _) in specs.items()}
         self.dev = {}
         if device is not None:
-            from kvcanary import memory
             self.dev = {n: memory.zeros(a.shape, np.uint8, device) for n, a in self.host.items()}
         self.dirty: set[str] = set()
 
@@ -112,7 +112,6 @@ def sync(device: int | None) -> None:
     """Wait for all work on the device (the sim is not a latency benchmark)."""
     if device is None:
         return
-    from kvcanary import driver
     driver.check(driver.runtime(device).call(driver._driver().cuCtxSynchronize), "cuCtxSynchronize")
 
 

@@ -6,6 +6,8 @@ import json
 import os
 import sys
 
+import numpy as np
+
 
 def cell_text(cell: dict) -> str:
     if not cell["covered"]:
@@ -91,7 +93,7 @@ def heatmap(result: dict, path: str) -> str | None:
     """PNG of detection rate per class x mode; None when matplotlib is not installed. Each cell
     shows detected/exercised (+ not exercised); its colour is the rate (colour bar), grey where
     the mode cannot see the class or no injection was exercised."""
-    try:
+    try:  # matplotlib is optional
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
@@ -105,8 +107,7 @@ def heatmap(result: dict, path: str) -> str | None:
 
 def heatmap_figure(result: dict):
     """The matplotlib Figure of :func:`heatmap` (needs matplotlib)."""
-    import matplotlib.pyplot as plt
-    import numpy as np
+    import matplotlib.pyplot as plt  # on first use: matplotlib is optional
     from matplotlib.patches import Patch
     classes, modes = result["classes"], result["modes"]
     rate = np.full((len(classes), len(modes)), np.nan)
