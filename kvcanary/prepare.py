@@ -16,8 +16,8 @@ from __future__ import annotations
 import numpy as np
 
 from . import abi, driver, host_ops, streams
-from .launch import Launch
 from .errors import ValidationError
+from .launch import Launch
 from .plan import Batch, StepPlan, check_batch_values
 from .state import VerifyContext, checked, same_device
 from .validate import boolean, instance
