@@ -308,8 +308,8 @@ def test_many_source_fused_verify_spread_over_a_block_equals_reference(emulated_
     """The fused *_many verify at every spread of a block (chosen on the device from the step's
     entry count and the grid): byte-equal to the reference, at the tile counts where the choice
     changes. The grid is the launch's (the emulator runs at most tests.emu.MAX_BLOCKS blocks)."""
-    from kvcanary import driver, ops
-    _, grid, _ = ops._verify_shape(driver.runtime(0), "kvc_fused_verify", 1 << 17, (16,) * len(sources))
+    from kvcanary import driver, prepare
+    _, grid, _ = prepare._verify_shape(driver.runtime(0), "kvc_fused_verify", 1 << 17, (16,) * len(sources))
     if emulated_device is not None:
         from tests import emu
         grid = min(grid, emu.MAX_BLOCKS)
