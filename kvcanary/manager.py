@@ -21,7 +21,7 @@ import threading
 
 import numpy as np
 
-from . import abi, assembly, ops
+from . import abi, assembly, memory, ops
 from .assembly import STAGES, Key, PoolGroup
 from .errors import ValidationTypeError
 from .monitor import Monitor
@@ -180,6 +180,7 @@ class KvCanary:
         step's snapshot found (a sweep, an export): shutdown and tests; this one synchronises."""
         with self._lock:
             self.monitor.flush()
+        memory.release_pending()  # the device is idle and no capture is running: free collected arrays
 
     def stats(self) -> dict:
         """Counters as of the newest processed snapshot (README: what each key means)."""

@@ -1,13 +1,21 @@
 """Library-owned device memory, so a CuPy, JAX or raw-pointer pipeline needs no torch.
 
 :class:`DeviceArray` is a ``cuMemAlloc`` allocation with a shape and a dtype that exports both
-``__cuda_array_interface__`` (v3) and ``__dlpack__``; it is freed when the last reference (the
+``__cuda_array_interface__`` (v3) and ``__dlpack__``; it is freed once the last reference (the
 array or a consumer's DLPack capsule) goes away. Plus the few copies and fills the library needs.
+
+Frees wait for a point outside any CUDA graph capture: a collected array's ``cuMemFree`` (or
+``cuMemFreeHost``) while an engine captures a graph would invalidate that capture
+(CUDA_ERROR_STREAM_CAPTURE_INVALIDATED at the engine's next launch) and fail itself, and Python
+collects garbage at any point, also inside a capture. So a collected allocation joins a pending
+list, freed by :func:`release_pending` after the next successful allocation (a capture would
+have refused it), by ``KvCanary.flush()``, or by the caller.
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import numpy as np
 
@@ -16,8 +24,31 @@ from .dlpack import kDLCUDA, make_capsule
 from .driver import check
 
 
+_pending: list[tuple[driver.DeviceRuntime, str, int]] = []  # (runtime, driver free function, pointer)
+_pending_lock = threading.Lock()
+
+
+def _defer_free(rt: driver.DeviceRuntime, free: str, ptr: int) -> None:
+    with _pending_lock:
+        _pending.append((rt, free, ptr))
+
+
+def release_pending() -> int:
+    """Free the memory of collected kvcanary allocations (module docstring: why frees wait), each
+    in its device's context; the number freed. Call it outside any graph capture of the process."""
+    with _pending_lock:
+        items = _pending[:]
+        del _pending[:]
+    for rt, free, ptr in items:
+        try:
+            rt.call(getattr(driver._driver(), free), ptr)
+        except Exception:  # interpreter shutdown: the context is going away anyway
+            pass
+    return len(items)
+
+
 class _Allocation:
-    """Owns one cuMemAlloc block; frees it in its device's context when collected."""
+    """Owns one cuMemAlloc block; its free waits for :func:`release_pending` once collected."""
 
     def __init__(self, rt: driver.DeviceRuntime, nbytes: int):
         d = driver._driver()
@@ -28,14 +59,12 @@ class _Allocation:
                 "where allocation is not allowed; fix: create kvcanary state (and run the first step, which "
                 "packs the launches) before the capture"}.get(getattr(err, "name", ""), "")
         self.ptr = int(check((err, ptr), f"cuMemAlloc({nbytes})", hint))
+        release_pending()  # no capture refused the allocation
 
     def __del__(self):
         ptr, self.ptr = getattr(self, "ptr", 0), 0
         if ptr:
-            try:
-                self.rt.call(driver._driver().cuMemFree, ptr)
-            except Exception:  # interpreter shutdown: the context is going away anyway
-                pass
+            _defer_free(self.rt, "cuMemFree", ptr)
 
 
 class DeviceArray:
@@ -165,10 +194,7 @@ class PinnedBuffer:
     def __del__(self):
         ptr, self.ptr = getattr(self, "ptr", 0), 0
         if ptr:
-            try:
-                self.rt.call(driver._driver().cuMemFreeHost, ptr)
-            except Exception:
-                pass
+            _defer_free(self.rt, "cuMemFreeHost", ptr)
 
 
 class Event:

@@ -28,6 +28,8 @@ class FakeDriver:
         self.launched: list[str] = []                        # kernel names, in launch order
         self.shapes: list[tuple[str, int, int]] = []         # (kernel, grid, block) per launch
         self.capturing: set[int] = set()                     # streams reported as capturing
+        self.invalidated: set[int] = set()                   # captures a capture-unsafe call broke
+        self.unsafe_calls: list[str] = []                    # those calls, in order
         self.calls: dict[str, int] = defaultdict(int)
         self.immediate = False                               # run each launch when it is made
         self.kernels = None                                  # tests.emu.Kernels: run kernels for real
@@ -119,8 +121,18 @@ class FakeDriver:
         return OK, 0
 
     # ---- memory ----------------------------------------------------------------------------------
+    def _capture_unsafe(self, call: str):
+        """A call CUDA refuses while a stream captures a graph (global capture mode): it fails and
+        invalidates every capture in progress; None when none is."""
+        if not self.capturing:
+            return None
+        self.invalidated |= self.capturing
+        self.unsafe_calls.append(call)
+        return real.CUresult.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+
     def cuMemAlloc(self, nbytes):
-        return OK, self._alloc(nbytes)
+        err = self._capture_unsafe("cuMemAlloc")
+        return (err, 0) if err is not None else (OK, self._alloc(nbytes))
 
     def cuMemHostAlloc(self, nbytes, flags):
         return OK, self._alloc(nbytes)
@@ -129,10 +141,18 @@ class FakeDriver:
         return OK, ptr
 
     def cuMemFree(self, ptr):
+        err = self._capture_unsafe("cuMemFree")
+        if err is not None:
+            return (err,)
         self.memory.pop(int(ptr), None)
         return (OK,)
 
-    cuMemFreeHost = cuMemFree
+    def cuMemFreeHost(self, ptr):
+        err = self._capture_unsafe("cuMemFreeHost")
+        if err is not None:
+            return (err,)
+        self.memory.pop(int(ptr), None)
+        return (OK,)
 
     def cuMemsetD8Async(self, ptr, value, nbytes, stream):
         ctypes.memset(int(ptr), value, nbytes)
@@ -216,7 +236,8 @@ def release(fake: FakeDriver) -> None:
     """Disarm the fake runtimes before ``monkeypatch`` is undone: whatever still holds fake memory
     (e.g. objects kept by a failed test's traceback) frees it later through its runtime's
     ``call``, which must then never hand a fake pointer or context to a real driver."""
-    from kvcanary import driver
+    from kvcanary import driver, memory
     gc.collect()
+    memory.release_pending()  # frees waiting for a point outside a capture: this fake's, now
     for rt in driver._runtimes.values():
         rt.call = lambda fn, *args: (OK,)

@@ -213,6 +213,36 @@ def test_capture_launches_stages_but_no_snapshot_and_counts_nothing(fake):
     canary.health_check()              # the capture itself was not counted
 
 
+def test_arrays_collected_during_a_capture_are_freed_after_it(fake):
+    """Python collects garbage anywhere, also while an engine captures a CUDA graph: a kvcanary
+    array (and a pinned buffer) dropped then must not call cuMemFree / cuMemFreeHost (CUDA refuses
+    them and invalidates the engine's capture). Their frees run after the next allocation, and
+    at flush, once no capture is running."""
+    import gc
+
+    from kvcanary import memory
+    canary, batch, _ = make_canary()
+    s = stream(fake)
+    step(canary, batch, s)
+    old_batch, held = batch, len(fake.memory)
+    _, batch, _ = make_canary()  # another canary's arrays and two buffers, dropped during the capture
+    dropped = [memory.zeros((16,), np.int64, 0), memory.PinnedBuffer((8,), np.int64, 0)]
+    fake.capturing.add(s)
+    step(canary, old_batch, s)
+    del batch, dropped
+    gc.collect()
+    assert fake.unsafe_calls == [] and fake.invalidated == set(), "no free while a stream captures"
+    fake.capturing.clear()
+    canary.flush()
+    assert fake.unsafe_calls == [] and len(fake.memory) == held, "flush frees what was collected"
+    x = memory.zeros((4,), np.int64, 0)
+    del x
+    gc.collect()
+    assert len(fake.memory) == held + 1, "a collected array waits for the next free point"
+    memory.zeros((4,), np.int64, 0)
+    assert len(fake.memory) == held + 1, "the next allocation frees it (the new one is held here)"
+
+
 def test_health_check_sees_a_launch_that_never_ran(fake):
     canary, batch, _ = make_canary()
     s = stream(fake)
