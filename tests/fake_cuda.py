@@ -140,19 +140,18 @@ class FakeDriver:
     def cuMemHostGetDevicePointer(self, ptr, flags):
         return OK, ptr
 
-    def cuMemFree(self, ptr):
-        err = self._capture_unsafe("cuMemFree")
+    def _free(self, ptr, call: str):
+        err = self._capture_unsafe(call)
         if err is not None:
             return (err,)
         self.memory.pop(int(ptr), None)
         return (OK,)
 
+    def cuMemFree(self, ptr):
+        return self._free(ptr, "cuMemFree")
+
     def cuMemFreeHost(self, ptr):
-        err = self._capture_unsafe("cuMemFreeHost")
-        if err is not None:
-            return (err,)
-        self.memory.pop(int(ptr), None)
-        return (OK,)
+        return self._free(ptr, "cuMemFreeHost")
 
     def cuMemsetD8Async(self, ptr, value, nbytes, stream):
         ctypes.memset(int(ptr), value, nbytes)
