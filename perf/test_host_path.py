@@ -16,7 +16,11 @@ snapshot included) x the raw ``cuLaunchKernel`` floor measured in this run; targ
 - ``vllm_batch``: vLLM-style persistent buffers (block table, seq_lens, query_start_loc,
   slot_mapping) sliced per step, through ``kvcanary.adapters.vllm_batch`` with a persistent
   ``req_to_token`` output;
-- ``ops``: ``build_plan`` + ``fused_verify`` + ``write`` called eagerly on a fresh Batch.
+- ``ops``: ``build_plan`` + ``fused_verify`` + ``write`` called eagerly on a fresh Batch;
+- ``TransformersCanary``: whole ``generate_batch`` runs of a small bf16 Llama (3 layers, hidden
+  128: a host-bound step, so the canary's host time shows in the wall time) with continuous
+  batching, with and without the canary, interleaved; the added time per step against the launches
+  the canary made per step x the floor.
 Shapes: decode bs 1 / 64 / 256 x 1024 cached tokens, and an extend batch (4 requests x 512 new
 tokens after 1024 cached: a chunk of a chunked prefill). Pools: K and V halves of one layer,
 PARTIAL fingerprints, a paged layout for the vLLM rows.
@@ -167,3 +171,62 @@ def test_ops_path_eager(report, workloads, timer, bounds, shape):
     report.row(f"host path: ops build_plan + fused_verify + write, fresh Batch, {w.label}", t, "s",
                bound=3 * bounds.launch_floor, bound_name="3 launches x raw launch floor", target=TARGET,
                launches_per_step=3)
+
+
+def test_transformers_canary_generation(report, bounds):
+    """Issue 12: TransformersCanary in continuous batching (it stages each step's expected tokens
+    in pinned memory). 16 requests of 40-120 prompt tokens, 24 new tokens each, greedy."""
+    torch = torch_or_skip()
+    transformers = pytest.importorskip("transformers")
+    from kvcanary.adapters import TransformersCanary
+    from kvcanary.adapters.transformers_layout import check_transformers_version
+    try:
+        check_transformers_version(transformers.__version__)
+    except kc.ValidationError as exc:
+        pytest.skip(str(exc).splitlines()[0])
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    model = transformers.LlamaForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16).eval()
+    model.set_attn_implementation("sdpa")
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 512, int(rng.integers(40, 120))).tolist() for _ in range(16)]
+    gen = transformers.GenerationConfig(max_new_tokens=24, do_sample=False, eos_token_id=-1)
+    cb = transformers.ContinuousBatchingConfig(page_size=16, num_blocks=512, max_batch_tokens=256,
+                                               max_requests_per_batch=16, use_cuda_graph=False,
+                                               use_async_batching=False, max_blocks_per_request=0)
+    seen = []  # the canary's launches so far at each step's end (a generation's canary counts from 0)
+    canary = TransformersCanary(model, after_step=lambda info: seen.append(tc_launches()))
+
+    def tc_launches() -> int:
+        return canary.canary.launch_count if canary.canary is not None else 0
+
+    def generate(with_canary: bool):
+        if with_canary:
+            with canary:
+                model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
+        else:
+            model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
+
+    generate(False)  # warm: kernels, allocator, the canary's compile and packing
+    generate(True)
+    seen.clear()
+    steps0 = canary.steps
+    t, t0 = report.host(lambda: generate(True), batch=1, rounds=5, warmup=1, sync=torch.cuda.synchronize,
+                        interleave=lambda: generate(False))
+    runs = 5 + 1
+    steps = (canary.steps - steps0) / runs
+    launches = sum(_last_of_each_run(seen)) / runs
+    assert canary.summary()["detections"] == 0, "the benchmark generation must run clean"
+    per_step = launches / steps
+    report.row("host path: TransformersCanary (continuous batching, 16 requests, 3-layer bf16 Llama), added time "
+               "per step", (t - t0) / steps, "s", bound=per_step * bounds.launch_floor,
+               bound_name=f"{per_step:.3g} launches per step x raw launch floor", target=TARGET,
+               steps_per_generation=steps, generation_s=t, generation_without_s=t0)
+    report.row("host path: TransformersCanary (continuous batching, 16 requests, 3-layer bf16 Llama), generation "
+               "overhead", (t - t0) / t0, "of the generation", generation_s=t, generation_without_s=t0)
+
+
+def _last_of_each_run(seen: list) -> list:
+    """The launch count at the last step of each generation (each generation's canary counts from 0)."""
+    return [n for i, n in enumerate(seen) if i + 1 == len(seen) or seen[i + 1] < n]
