@@ -1,14 +1,15 @@
-"""CPU tier of the suite: the bound probes compile with NVRTC for every arch kvcanary targets,
-so a broken probe fails here, on a machine without a GPU, not first on the benchmark machine."""
+"""CPU tier: the benchmark suite's own kernels (perf/kernels: the bound probes and the SGLang-shaped
+baseline, and the tuning benchmark's verify.cu variants) compile with NVRTC, so a broken probe or
+variant fails here, on a machine without a GPU, not first on the benchmark machine. (They live in
+tests/ because the test command collects tests/ only.)"""
 
 from __future__ import annotations
 
 import pytest
 
 from kvcanary.compile import DEFAULT_ARCHS, supported_archs
-
-from .bounds import PROBE_NAMES, compile_probes, probe_sources
-from .test_tuning import BLOCKS_PER_SM, TILE_ENTRIES, variant_cubin
+from perf.bounds import PROBE_NAMES, compile_probes, probe_sources
+from perf.test_tuning import BLOCKS_PER_SM, TILE_ENTRIES, variant_cubin
 
 
 @pytest.mark.parametrize("arch", DEFAULT_ARCHS)
