@@ -201,8 +201,11 @@ def test_transformers_canary_generation(report, bounds):
     def tc_launches() -> int:
         return canary.canary.launch_count if canary.canary is not None else 0
 
+    runs = [0]  # generations with the canary
+
     def generate(with_canary: bool):
         if with_canary:
+            runs[0] += 1
             with canary:
                 model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
         else:
@@ -211,12 +214,11 @@ def test_transformers_canary_generation(report, bounds):
     generate(False)  # warm: kernels, allocator, the canary's compile and packing
     generate(True)
     seen.clear()
-    steps0 = canary.steps
+    steps0, runs[0] = canary.steps, 0
     t, t0 = report.host(lambda: generate(True), batch=1, rounds=5, warmup=1, sync=torch.cuda.synchronize,
                         interleave=lambda: generate(False))
-    runs = 5 + 1
-    steps = (canary.steps - steps0) / runs
-    launches = sum(_last_of_each_run(seen)) / runs
+    steps = (canary.steps - steps0) / runs[0]
+    launches = sum(_last_of_each_run(seen)) / runs[0]
     assert canary.summary()["detections"] == 0, "the benchmark generation must run clean"
     per_step = launches / steps
     report.row("host path: TransformersCanary (continuous batching, 16 requests, 3-layer bf16 Llama), added time "

@@ -144,6 +144,28 @@ def test_large_batch_16384_requests():
 
 
 # ---- the warp-tiled verify kernels on clean, stamped engine state -------------------------------
+def stamped_pools(rng, rtt, lens, num_slots: int, sources: list, stride: int, mode):
+    """Random real-KV pools per ``sources`` ((page_size, bytes_per_token, read_bytes) each) and a
+    canary buffer of ``stride`` bytes per slot in which the reference write stamped request r's
+    ``lens[r]`` tokens (row r + 1 of ``rtt``), all new. Returns (canary, pools, srcs), ``srcs``
+    making the sources over given pool arrays."""
+    pools = [rng.integers(0, 256, (-(-num_slots // page), page * bpt), dtype=np.uint8) for page, bpt, _ in sources]
+    srcs = lambda ps: [kc.RealKvSource(p, page, bpt, rb) for p, (page, bpt, rb) in zip(ps, sources)]  # noqa: E731
+    canary = np.zeros((num_slots, stride), np.uint8)
+    sink = kc.ViolationSink.allocate(1 << 16)
+    ctx = kc.VerifyContext(kc.CanaryBuffer(canary), sink, abi.LaunchTag.TAIL_K_FULL, srcs(pools), mode)
+    bs = len(lens)
+    loc = np.concatenate([rtt[r + 1, :lens[r]] for r in range(bs)]).astype(np.int64)
+    stamp = kc.Batch(req_pool_indices=np.arange(1, bs + 1, dtype=np.int64), prefix_lens=np.zeros(bs, np.int64),
+                     extend_lens=lens, req_to_token=rtt, input_ids=rng.integers(0, 1 << 40, len(loc)).astype(np.int64),
+                     positions=np.concatenate([np.arange(n) for n in lens]).astype(np.int64), out_cache_loc=loc)
+    plan = kc.StepPlan.allocate(bs, 1)
+    kc.build_plan(stamp, plan)
+    kc.write(ctx, plan, stamp.input_ids, stamp.positions, stamp.out_cache_loc)
+    assert int(sink.arrays[1][0]) == 0, "the stamping write must be clean"
+    return canary, pools, srcs
+
+
 def stamped_engine(seed, *, mode, stride, sources, swa, bs=300, lengths=(0, 0, 1, 2, 3, 33, 200, 700)):
     """A host engine state stamped by the reference write: ``bs`` requests of very uneven length
     (many empty or 1-3 tokens, so warp tiles span many requests), real-KV pools per ``sources``
@@ -160,20 +182,8 @@ def stamped_engine(seed, *, mode, stride, sources, swa, bs=300, lengths=(0, 0, 1
     for r in range(bs):
         rtt[r + 1, :lens[r]] = free[at:at + lens[r]]
         at += lens[r]
-    pools = [rng.integers(0, 256, (-(-num_slots // page), page * bpt), dtype=np.uint8) for page, bpt, _ in sources]
-    srcs = lambda ps: [kc.RealKvSource(p, page, bpt, rb) for p, (page, bpt, rb) in zip(ps, sources)]  # noqa: E731
-    canary = np.zeros((num_slots, stride), np.uint8)
-    sink = kc.ViolationSink.allocate(1 << 16)
-    ctx = kc.VerifyContext(kc.CanaryBuffer(canary), sink, abi.LaunchTag.TAIL_K_FULL, srcs(pools), mode)
+    canary, pools, srcs = stamped_pools(rng, rtt, lens, num_slots, sources, stride, mode)
     rpi = np.arange(1, bs + 1, dtype=np.int64)
-    loc = np.concatenate([rtt[r + 1, :lens[r]] for r in range(bs)]).astype(np.int64)
-    stamp = kc.Batch(req_pool_indices=rpi, prefix_lens=np.zeros(bs, np.int64), extend_lens=lens,
-                     req_to_token=rtt, input_ids=rng.integers(0, 1 << 40, len(loc)).astype(np.int64),
-                     positions=np.concatenate([np.arange(n) for n in lens]).astype(np.int64), out_cache_loc=loc)
-    plan = kc.StepPlan.allocate(bs, 1)
-    kc.build_plan(stamp, plan)
-    kc.write(ctx, plan, stamp.input_ids, stamp.positions, stamp.out_cache_loc)
-    assert int(sink.arrays[1][0]) == 0, "the stamping write must be clean"
     prefix = np.where(rng.random(bs) < 0.5, lens, np.minimum(lens, rng.integers(0, max_len, bs))).astype(np.int64)
     read = [r for r in range(bs) if prefix[r] > 0]
     for r in rng.choice(read, min(6, len(read)), replace=False):  # corrupt token, position, chain or fingerprint of a read slot
@@ -269,19 +279,8 @@ def many_source_state(seed, requests: int, length: int, sources: list):
     num_slots = requests * length + 64
     rtt = np.zeros((requests + 1, length), np.int32)
     rtt[1:] = rng.permutation(np.arange(1, num_slots))[:requests * length].reshape(requests, length)
-    pools = [rng.integers(0, 256, (-(-num_slots // page), page * bpt), dtype=np.uint8) for page, bpt, _ in sources]
-    srcs = lambda ps: [kc.RealKvSource(p, page, bpt, rb) for p, (page, bpt, rb) in zip(ps, sources)]  # noqa: E731
-    canary = np.zeros((num_slots, 32), np.uint8)
-    ctx = kc.VerifyContext(kc.CanaryBuffer(canary), kc.ViolationSink.allocate(1 << 12), abi.LaunchTag.TAIL_K_FULL,
-                           srcs(pools), abi.HashMode.PARTIAL)
     rpi, lens = np.arange(1, requests + 1, dtype=np.int64), np.full(requests, length, np.int64)
-    stamp = kc.Batch(req_pool_indices=rpi, prefix_lens=np.zeros(requests, np.int64), extend_lens=lens,
-                     req_to_token=rtt, input_ids=rng.integers(0, 1 << 40, requests * length).astype(np.int64),
-                     positions=np.tile(np.arange(length, dtype=np.int64), requests),
-                     out_cache_loc=rtt[1:].reshape(-1).astype(np.int64))
-    plan = kc.StepPlan.allocate(requests, 1)
-    kc.build_plan(stamp, plan)
-    kc.write(ctx, plan, stamp.input_ids, stamp.positions, stamp.out_cache_loc)
+    canary, pools, srcs = stamped_pools(rng, rtt, lens, num_slots, sources, 32, abi.HashMode.PARTIAL)
     read = rtt[1:].reshape(-1)
     for slot in rng.choice(read, 5, replace=False):  # a record bit (token, position, chain or fingerprint)
         canary[slot, int(rng.integers(0, 32))] ^= 1 << int(rng.integers(0, 8))
