@@ -70,7 +70,7 @@ class Probes:
         del keep  # cuLaunchKernel copied the arguments
 
     def launch_packed(self, name: str, grid: int, block: int, stream: int, address: int) -> None:
-        """Launch a baseline kernel with a kvcanary ``ops.Launch``'s packed pointer array."""
+        """Launch a baseline kernel with a kvcanary ``launch.Launch``'s packed pointer array."""
         check(cu.cuLaunchKernel(self.fn[name], grid, 1, 1, block, 1, 1, 0, stream, address, 0), name)
 
     def spin(self, ns: int, stream: int) -> None:
