@@ -6,6 +6,20 @@
 #pragma once
 #include "kvcanary_abi.cuh"
 
+// Programmatic dependent launch (docs/performance.md): on sm_90+ the host may launch a kernel while
+// the previous kernel of its stream is still running (CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_
+// SERIALIZATION), so its blocks are resident when that kernel ends. Every kernel's first statement
+// is KVC_AFTER_PREVIOUS_GRID(): griddepcontrol.wait returns once the previous grid has completed and
+// its memory operations are visible (at once for a kernel launched without the attribute), so no
+// kernel reads or writes global memory before the work ahead of it in the stream is done. It then
+// lets the next grid launch: that grid waits for this one's completion in turn.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= KVC_PDL_CUDA_ARCH
+#define KVC_AFTER_PREVIOUS_GRID() \
+  asm volatile("griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;" ::: "memory")
+#else
+#define KVC_AFTER_PREVIOUS_GRID() ((void)0)
+#endif
+
 __device__ __forceinline__ uint64_t kvc_sm(uint64_t x) {
   x ^= x >> KVC_SM_SHIFT1;
   x *= KVC_SM_MUL1;

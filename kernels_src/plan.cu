@@ -50,6 +50,7 @@ __device__ __forceinline__ long long kvc_prepare_request(const KvcPrepareParams&
 }
 
 extern "C" __global__ void __launch_bounds__(KVC_PREPARE_THREADS) kvc_prepare(const __grid_constant__ KvcPrepareParams p) {
+  KVC_AFTER_PREVIOUS_GRID();
   __shared__ long long warp_totals[32];
   __shared__ unsigned long long first_unowned;
   long long entries_before = 0, tokens_before = 0;  // carried across chunks, uniform in the block
@@ -105,6 +106,7 @@ extern "C" __global__ void __launch_bounds__(KVC_PREPARE_THREADS) kvc_prepare(co
 // them (kvc_fused_entry); an entry the batch does not give (it changed since kvc_prepare) is stored
 // on KVC_SWA_UNMAPPED, which the verify reports as out of range.
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_expand(const __grid_constant__ KvcExpandParams p) {
+  KVC_AFTER_PREVIOUS_GRID();
   if (*p.verify_enable == 0 || p.batch_size <= 0) return;
   const long long active = kvc_clamp(*p.verify_num_valid, 0, p.verify_capacity);
   const long long stride = (long long)gridDim.x * blockDim.x;

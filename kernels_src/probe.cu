@@ -4,14 +4,16 @@
 
 __device__ unsigned char kvc_echo_buffer[KVC_ECHO_BYTES];
 
-extern "C" __global__ void kvc_empty(const __grid_constant__ KvcProbeParams p) {}
+extern "C" __global__ void kvc_empty(const __grid_constant__ KvcProbeParams p) { KVC_AFTER_PREVIOUS_GRID(); }
 
 extern "C" __global__ void kvc_abi_layout(const __grid_constant__ KvcProbeParams p) {
+  KVC_AFTER_PREVIOUS_GRID();
   if (blockIdx.x == 0 && threadIdx.x == 0) kvc_abi_layout_dump(p.out);
 }
 
 #define KVC_ECHO_KERNEL(S)                                                            \
   extern "C" __global__ void kvc_echo_##S(const __grid_constant__ S p) {              \
+    KVC_AFTER_PREVIOUS_GRID();                                                        \
     const unsigned char* src = reinterpret_cast<const unsigned char*>(&p);            \
     for (int i = threadIdx.x; i < (int)sizeof(S); i += blockDim.x) kvc_echo_buffer[i] = src[i]; \
   }

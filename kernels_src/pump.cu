@@ -7,9 +7,10 @@
 // block barrier thread 0 fences again and only then stores the ticket. A host that reads
 // *done == ticket therefore reads the complete payload. Never raises, never waits on the host;
 // one block (the status block is a few hundred words at most).
-#include "kvcanary_abi.cuh"
+#include "common.cuh"
 
 extern "C" __global__ void kvc_snapshot(const __grid_constant__ KvcSnapshotParams p) {
+  KVC_AFTER_PREVIOUS_GRID();
   if (blockIdx.x != 0) return;
   const volatile long long* src = p.status;  // written by this stream's earlier launches
   volatile long long* dst = p.payload;

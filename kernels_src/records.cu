@@ -6,6 +6,7 @@
 #include "common.cuh"
 
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_copy_records(const __grid_constant__ KvcRecordsParams p) {
+  KVC_AFTER_PREVIOUS_GRID();
   long long* bufs[KVC_MAX_RECORD_BUFFERS] = {p.canary, p.canary1, p.canary2, p.canary3};
   const int nb = p.num_buffers < KVC_MAX_RECORD_BUFFERS ? p.num_buffers : KVC_MAX_RECORD_BUFFERS;
   const long long stride = (long long)gridDim.x * blockDim.x;

@@ -448,33 +448,39 @@ __device__ __forceinline__ void kvc_verify_fused(const KvcFusedVerifyParams& p, 
 
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_VERIFY_BLOCKS_PER_SM)
 kvc_verify(const __grid_constant__ KvcVerifyParams p) {
+  KVC_AFTER_PREVIOUS_GRID();
   kvc_verify_plan<KVC_VT, KVC_FOLD_NARROW>(p, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_MANY_VERIFY_MIN_BLOCKS)
 kvc_verify_many(const __grid_constant__ KvcVerifyParams p) {
+  KVC_AFTER_PREVIOUS_GRID();
   kvc_verify_plan<KVC_VT, KVC_FOLD_MANY>(p, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(KVC_WIDE_VERIFY_THREADS)
 kvc_verify_wide(const __grid_constant__ KvcVerifyParams p) {
+  KVC_AFTER_PREVIOUS_GRID();
   __shared__ KvcWideStage stage[KVC_WIDE_VERIFY_THREADS / 32];
   kvc_verify_plan<1, KVC_FOLD_WIDE>(p, stage);
 }
 
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_VERIFY_BLOCKS_PER_SM)
 kvc_fused_verify(const __grid_constant__ KvcFusedVerifyParams p) {
+  KVC_AFTER_PREVIOUS_GRID();
   kvc_verify_fused<KVC_VT, KVC_FOLD_NARROW>(p, nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_MANY_VERIFY_MIN_BLOCKS)
 kvc_fused_verify_many(const __grid_constant__ KvcFusedVerifyParams p) {
+  KVC_AFTER_PREVIOUS_GRID();
   __shared__ KvcManyStage<KVC_MANY_VT> many;
   kvc_verify_fused<KVC_MANY_VT, KVC_FOLD_MANY>(p, nullptr, &many);
 }
 
 extern "C" __global__ void __launch_bounds__(KVC_WIDE_VERIFY_THREADS)
 kvc_fused_verify_wide(const __grid_constant__ KvcFusedVerifyParams p) {
+  KVC_AFTER_PREVIOUS_GRID();
   __shared__ KvcWideStage stage[KVC_WIDE_VERIFY_THREADS / 32];
   kvc_verify_fused<1, KVC_FOLD_WIDE>(p, stage);
 }
@@ -483,17 +489,20 @@ kvc_fused_verify_wide(const __grid_constant__ KvcFusedVerifyParams p) {
 // launch would verify it.
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_VERIFY_BLOCKS_PER_SM)
 kvc_fused_verify_pair(const __grid_constant__ KvcFusedVerifyPair p) {
+  KVC_AFTER_PREVIOUS_GRID();
   if (blockIdx.y < KVC_HALVES) kvc_verify_fused<KVC_VT, KVC_FOLD_NARROW>(p.half[blockIdx.y], nullptr);
 }
 
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_MANY_VERIFY_MIN_BLOCKS)
 kvc_fused_verify_many_pair(const __grid_constant__ KvcFusedVerifyPair p) {
+  KVC_AFTER_PREVIOUS_GRID();
   __shared__ KvcManyStage<KVC_MANY_VT> many;
   if (blockIdx.y < KVC_HALVES) kvc_verify_fused<KVC_MANY_VT, KVC_FOLD_MANY>(p.half[blockIdx.y], nullptr, &many);
 }
 
 extern "C" __global__ void __launch_bounds__(KVC_WIDE_VERIFY_THREADS)
 kvc_fused_verify_wide_pair(const __grid_constant__ KvcFusedVerifyPair p) {
+  KVC_AFTER_PREVIOUS_GRID();
   __shared__ KvcWideStage stage[KVC_WIDE_VERIFY_THREADS / 32];
   if (blockIdx.y < KVC_HALVES) kvc_verify_fused<1, KVC_FOLD_WIDE>(p.half[blockIdx.y], stage);
 }

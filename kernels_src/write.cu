@@ -236,11 +236,13 @@ __device__ __forceinline__ void kvc_write_run(const KvcWriteParams& p) {
 }
 
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_write(const __grid_constant__ KvcWriteParams p) {
+  KVC_AFTER_PREVIOUS_GRID();
   kvc_write_run(p);
 }
 
 // The K and V halves of a group in one launch: blockIdx.y is the half (a half never takes its
 // chain from the other: a chain source is stamped by an earlier launch).
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_write_pair(const __grid_constant__ KvcWritePair p) {
+  KVC_AFTER_PREVIOUS_GRID();
   if (blockIdx.y < KVC_HALVES) kvc_write_run(p.half[blockIdx.y]);
 }

@@ -63,6 +63,7 @@ STRIP_PIECE_BYTES = 16       # fingerprints load strips in 16-byte pieces (hash_
 STRIP_BATCH = 8              # pieces of one strip kvc_fold_strip loads before folding any (128 bytes in flight)
 WIDE_PIECES = 8              # pieces of each strip a *_wide verify stages per round: a 128-byte line
 WIDE_DEPTH = 2               # rounds in flight per warp of a *_wide verify (kvc_fingerprint_warp's waits assume 2)
+PDL_CUDA_ARCH = 900          # first __CUDA_ARCH__ (sm_90) with programmatic dependent launch (griddepcontrol)
 FULL_MASK = 0xFFFFFFFF       # every lane of a warp (CUDA's 32): the mask of the *_sync warp intrinsics
 NO_EXPECTED_TOKEN = -1
 CHAIN_HEAD = -1
@@ -356,6 +357,33 @@ SNAPSHOT_PARAMS = StructDecl("KvcSnapshotParams", (
     _F("ticket", "i64"),                    # written to *done last; never 0
 ))
 
+# One step of vLLM attention metadata staged into a Batch's persistent buffers (kernels_src/stage.cu,
+# kvcanary.adapters.vllm_stage): one launch instead of the adapter's torch ops. Each input is int32
+# or int64 (bit STAGE_* of `wide`); the 1-D inputs are contiguous, the block table's rows too.
+STAGE_BLOCK_TABLE, STAGE_SEQ_LENS, STAGE_QUERY_START_LOC, STAGE_SLOT_MAPPING, STAGE_INPUT_IDS, STAGE_POSITIONS = range(6)
+STAGE_VLLM_PARAMS = StructDecl("KvcStageVllmParams", (
+    _F("block_table", "ptr:const void"),     # [>= num_reqs, max_blocks], block_table_stride elements a row
+    _F("seq_lens", "ptr:const void"),        # [>= num_reqs] lengths after the step
+    _F("query_start_loc", "ptr:const void"), # [>= num_reqs + 1]
+    _F("slot_mapping", "ptr:const void"),    # [>= num_tokens]
+    _F("input_ids", "ptr:const void"),
+    _F("positions", "ptr:const void"),
+    _F("rows", "ptr:long long"),             # out [num_reqs]: request-pool row r + 1
+    _F("prefix_lens", "ptr:long long"),      # out [num_reqs]: seq_lens - extend
+    _F("extend_lens", "ptr:long long"),      # out [num_reqs]: query_start_loc[r + 1] - query_start_loc[r]
+    _F("req_to_token", "ptr:int"),           # out [num_reqs + 1, max_len]; row 0 the padding row
+    _F("out_input_ids", "ptr:long long"),    # out [num_tokens]
+    _F("out_positions", "ptr:long long"),
+    _F("out_cache_loc", "ptr:long long"),
+    _F("block_table_stride", "i64"),
+    _F("num_reqs", "i64"),
+    _F("num_tokens", "i64"),
+    _F("block_size", "i64"),
+    _F("max_len", "i64"),                    # <= max_blocks * block_size (checked on the host)
+    _F("wide", "i32"),
+    _F("_pad", "i32"),
+))
+
 # The K and V halves of a group in one launch (docs/format.md §7): HALVES params structs, one per
 # half, and a 2-D grid whose blockIdx.y picks the half; each half runs as its own launch would.
 HALVES = 2
@@ -365,6 +393,7 @@ FUSED_VERIFY_PAIR = StructDecl("KvcFusedVerifyPair", (_F("half", "struct:KvcFuse
 STRUCTS: tuple[StructDecl, ...] = (
     SOURCE_DESC, VERIFY_PARAMS, WRITE_PARAMS, PREPARE_PARAMS, EXPAND_PARAMS,
     FUSED_VERIFY_PARAMS, RECORDS_PARAMS, PROBE_PARAMS, SNAPSHOT_PARAMS, WRITE_PAIR, FUSED_VERIFY_PAIR,
+    STAGE_VLLM_PARAMS,
 )
 _BY_NAME = {s.name: s for s in STRUCTS}
 PARAMS_STRUCTS = tuple(s for s in STRUCTS if s is not SOURCE_DESC)
@@ -387,6 +416,7 @@ KERNELS: dict[str, str] = {
     "kvc_expand": EXPAND_PARAMS.name,
     "kvc_snapshot": SNAPSHOT_PARAMS.name,
     "kvc_copy_records": RECORDS_PARAMS.name,
+    "kvc_stage_vllm": STAGE_VLLM_PARAMS.name,
     "kvc_empty": PROBE_PARAMS.name,
     "kvc_abi_layout": PROBE_PARAMS.name,
     **{f"kvc_echo_{s.name}": s.name for s in PARAMS_STRUCTS},
@@ -453,6 +483,7 @@ SnapshotParams = CTYPES["KvcSnapshotParams"]
 RecordsParams = CTYPES["KvcRecordsParams"]
 WritePair = CTYPES["KvcWritePair"]
 FusedVerifyPair = CTYPES["KvcFusedVerifyPair"]
+StageVllmParams = CTYPES["KvcStageVllmParams"]
 # The paired entry point of a kernel (one launch for both halves), by the kernel's name.
 PAIRED = {"kvc_write": "kvc_write_pair", "kvc_fused_verify": "kvc_fused_verify_pair",
           "kvc_fused_verify_wide": "kvc_fused_verify_wide_pair", "kvc_fused_verify_many": "kvc_fused_verify_many_pair"}
@@ -486,7 +517,10 @@ def constants() -> dict[str, int]:
         "KVC_MAX_REQUEST_TOKENS": MAX_REQUEST_TOKENS, "KVC_MAX_RECORD_BUFFERS": MAX_RECORD_BUFFERS,
         "KVC_FIELDS_PER_SLOT": FIELDS_PER_SLOT,
         "KVC_SELF_TEST_TOKEN": SELF_TEST_TOKEN, "KVC_SELF_TEST_POSITION": SELF_TEST_POSITION,
-        "KVC_HALVES": HALVES,
+        "KVC_HALVES": HALVES, "KVC_PDL_CUDA_ARCH": PDL_CUDA_ARCH,
+        "KVC_STAGE_BLOCK_TABLE": STAGE_BLOCK_TABLE, "KVC_STAGE_SEQ_LENS": STAGE_SEQ_LENS,
+        "KVC_STAGE_QUERY_START_LOC": STAGE_QUERY_START_LOC, "KVC_STAGE_SLOT_MAPPING": STAGE_SLOT_MAPPING,
+        "KVC_STAGE_INPUT_IDS": STAGE_INPUT_IDS, "KVC_STAGE_POSITIONS": STAGE_POSITIONS,
     }
     for field in BatchField:
         out[f"KVC_BATCH_{field.name}"] = int(field)
@@ -504,9 +538,13 @@ def constants() -> dict[str, int]:
 # Every other constant is a long long (unsigned long long past INT64_MAX).
 INT_CONSTANTS = frozenset({"KVC_STRIP_BATCH", "KVC_WIDE_PIECES", "KVC_WIDE_DEPTH", "KVC_MANY_SPREAD_TILES",
                            "KVC_MANY_SPREAD_STRIPS"})
+# Constants the preprocessor compares (#if): emitted as bare decimal literals.
+PREPROCESSOR_CONSTANTS = frozenset({"KVC_PDL_CUDA_ARCH"})
 
 
 def _c_literal(value: int, name: str = "") -> str:
+    if name in PREPROCESSOR_CONSTANTS:
+        return str(value)
     if name in INT_CONSTANTS:
         if not -(1 << 31) <= value < (1 << 31):
             raise AssertionError(f"kv-canary: ABI constant {name} = {value} does not fit an int")

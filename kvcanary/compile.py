@@ -183,6 +183,13 @@ def compile_notice(archs, cache_dir: Path | None) -> str:
             f"your GPUs' archs, e.g. KVCANARY_ARCHS=90; KVCANARY_CACHE_DIR picks the cache directory.")
 
 
+def pick_cubin(cubins: dict[int, bytes], capability: tuple[int, int]) -> int | None:
+    """Highest compiled arch a device can run: same major, minor not above the device's."""
+    major, minor = capability
+    fits = [a for a in cubins if a // 10 == major and a % 10 <= minor]
+    return max(fits) if fits else None
+
+
 def load_kernels(archs: tuple[int, ...] | None = None, cache: CubinCache | None = None) -> CompiledKernels:
     """Cubins for every arch, from the cache when possible, compiled (in parallel) otherwise. The
     configured archs' set (no ``archs``, the default cache) is kept: :func:`loaded` returns it."""

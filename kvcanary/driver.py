@@ -2,9 +2,10 @@
 
 Per device: ``cuInit``, the primary context (shared with torch, CuPy and JAX), ``cuLibraryLoadData``
 of the cubin for the device's arch, and a check of every kernel's parameter size against the
-ctypes struct of abi.py. A launch is one ``cuLaunchKernel`` with the params struct passed by value
-through a pointer array (a packed one: :class:`kvcanary.launch.Launch`). Thread-safe; one runtime
-per device ordinal.
+ctypes struct of abi.py. A launch is one ``cuLaunchKernelEx`` with the params struct passed by
+value through a pointer array (a packed one: :class:`kvcanary.launch.Launch`); on sm_90+ it allows
+programmatic stream serialization (:func:`kvcanary.launch.launch_config`; ``KVCANARY_PDL=0``: not).
+Thread-safe; one runtime per device ordinal.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import threading
 from dataclasses import dataclass, field
 
 from . import abi, compile as nvrtc_compile
+from .launch import launch_config, pdl_wanted
 from .errors import DriverError, KvCanaryError, NoCudaDriverError
 
 _lock = threading.Lock()
@@ -103,15 +105,14 @@ class DeviceRuntime:
     functions: dict[str, object] = field(default_factory=dict)
     library: object = None
     sole: bool = False  # the only CUDA device of the process
+    pdl: bool = False  # launches may start during the previous kernel of their stream (common.cuh)
     _streams: dict = field(default_factory=dict)  # CUstream objects by handle (launch hot path)
     _occupancy: dict = field(default_factory=dict)  # (kernel, block) -> resident blocks
+    _configs: dict = field(default_factory=dict)  # (grid, grid_y, block, stream) -> launch config
 
     def enter(self) -> bool:
-        """Make this device's primary context current; True if one had to be pushed.
-
-        Pushing (instead of setting) leaves the caller's context, e.g. torch's current device,
-        exactly as it was once :meth:`leave` pops it.
-        """
+        """Make this device's primary context current; True if one had to be pushed (pushing leaves
+        the caller's context, e.g. torch's current device, as it was once :meth:`leave` pops it)."""
         d = _driver()
         err, current = d.cuCtxGetCurrent()
         if int(err) == 0 and int(current) == self.context:
@@ -138,58 +139,67 @@ class DeviceRuntime:
             s = self._streams.setdefault(stream, _driver().CUstream(stream))
         return s
 
+    def config(self, grid: int, grid_y: int, block: int, stream: int):
+        """The launch config (:func:`~.launch.launch_config`) of a ``grid`` x ``grid_y`` grid of
+        ``block`` threads on the raw stream handle ``stream``; built once, kept (4096 at most)."""
+        key = (grid, grid_y, block, stream)
+        cfg = self._configs.get(key)
+        if cfg is None:
+            if len(self._configs) >= 4096:
+                self._configs.clear()
+            cfg = self._configs.setdefault(key, launch_config(_driver(), grid, grid_y, block, self.cu_stream(stream),
+                                                              self.pdl))
+        return cfg
+
     def launch(self, name: str, grid: int, block: int, args_address: int, stream: int, grid_y: int = 1) -> None:
         """Launch ``name`` with a prepacked ``void*[1]`` at ``args_address`` on ``stream`` (a
-        ``grid`` x ``grid_y`` grid: ``grid_y`` is abi.HALVES for a paired launch).
-
-        On a machine with one device there is one primary context: launch first, and make it
-        current only if the driver refuses (no or another context current). With several
-        devices the current context is checked before every launch.
-        """
-        fn, s = self.functions[name], self.cu_stream(stream)
+        ``grid`` x ``grid_y`` grid: ``grid_y`` is abi.HALVES for a paired launch). With one device
+        (one primary context) launch first, and make it current only if the driver refuses (no or
+        another context current); with several the current context is checked before every launch."""
+        fn, cfg = self.functions[name], self.config(grid, grid_y, block, stream)
         if self.sole:
-            (err,) = _driver().cuLaunchKernel(fn, grid, grid_y, 1, block, 1, 1, 0, s, args_address, 0)
+            (err,) = _driver().cuLaunchKernelEx(cfg, fn, args_address, 0)
             if not err:
                 return
             self._raise_unless_context_error(err, name, grid, block)
-        self._launch_in_context(fn, name, grid, block, s, args_address, grid_y)
+        self._launch_in_context(fn, name, cfg, args_address)
 
     def launcher(self, name: str, grid: int, block: int, args_address: int, grid_y: int = 1):
-        """:meth:`launch` bound to one prepacked pointer array: a function ``f(stream)``. On a
-        single-device machine its fast path is a dict lookup and one cuLaunchKernel (resolved
-        now), with the same fallback on a context error; otherwise it calls :meth:`launch`."""
+        """:meth:`launch` bound to one prepacked pointer array: a function ``f(stream)``. With one
+        device its fast path is a dict lookup (the stream's launch config) and one
+        cuLaunchKernelEx, with the same fallback on a context error."""
         if not self.sole:
             return lambda stream: self.launch(name, grid, block, args_address, stream, grid_y)
-        fn, cu_launch, streams = self.functions[name], _driver().cuLaunchKernel, self._streams
+        fn, configs, launch_ex = self.functions[name], {}, _driver().cuLaunchKernelEx
 
         def launch(stream: int) -> None:
-            s = streams.get(stream)
-            if s is None:
-                s = self.cu_stream(stream)
-            (err,) = cu_launch(fn, grid, grid_y, 1, block, 1, 1, 0, s, args_address, 0)
+            cfg = configs.get(stream)
+            if cfg is None:
+                cfg = configs.setdefault(stream, self.config(grid, grid_y, block, stream))
+            (err,) = launch_ex(cfg, fn, args_address, 0)
             if err:
                 self._raise_unless_context_error(err, name, grid, block)
-                self._launch_in_context(fn, name, grid, block, s, args_address, grid_y)
+                self._launch_in_context(fn, name, cfg, args_address)
         return launch
 
     def _raise_unless_context_error(self, err, name: str, grid: int, block: int) -> None:
         if int(err) not in _CONTEXT_ERRORS:
-            raise DriverError(f"cuLaunchKernel({name}, grid={grid}, block={block})", err.name)
+            raise DriverError(f"cuLaunchKernelEx({name}, grid={grid}, block={block})", err.name)
 
-    def _launch_in_context(self, fn, name: str, grid: int, block: int, s, args_address: int, grid_y: int = 1) -> None:
+    def _launch_in_context(self, fn, name: str, cfg, args_address: int) -> None:
         pushed = self.enter()
         try:
-            (err,) = _driver().cuLaunchKernel(fn, grid, grid_y, 1, block, 1, 1, 0, s, args_address, 0)
+            (err,) = _driver().cuLaunchKernelEx(cfg, fn, args_address, 0)
         finally:
             self.leave(pushed)
         if int(err) != 0:
             hint = ""
             if int(err) in _CONTEXT_ERRORS:  # refused in this device's own context: the stream
                 hint = (f"expected a stream of cuda:{self.ordinal} (the device of the launch's arrays), "
-                        f"got stream 0x{int(s):x}, which this device's context refuses (a stream of "
+                        f"got stream 0x{int(cfg.hStream):x}, which this device's context refuses (a stream of "
                         f"another device, or a destroyed one). Fix: pass a stream created on "
                         f"cuda:{self.ordinal}, e.g. under torch.cuda.device({self.ordinal})")
-            raise DriverError(f"cuLaunchKernel({name}, grid={grid}, block={block})", err.name, hint)
+            raise DriverError(f"cuLaunchKernelEx({name}, grid={cfg.gridDimX}, block={cfg.blockDimX})", err.name, hint)
 
     def capturing(self, stream: int) -> bool:
         """Whether ``stream`` is being captured into a CUDA graph (any status but NONE). One
@@ -227,13 +237,6 @@ class DeviceRuntime:
         return int(ptr), int(size)
 
 
-def _pick_cubin(cubins: dict[int, bytes], capability: tuple[int, int]) -> int | None:
-    """Highest compiled arch a device can run: same major, minor not above the device's."""
-    major, minor = capability
-    fits = [a for a in cubins if a // 10 == major and a % 10 <= minor]
-    return max(fits) if fits else None
-
-
 def _load(ordinal: int) -> DeviceRuntime:
     d = _driver()
     count = device_count()
@@ -257,7 +260,7 @@ def _load_library(ordinal: int, ctx: int, capability: tuple[int, int], sms: int)
     d = _driver()
     major, minor = capability
     compiled = nvrtc_compile.loaded()
-    arch = _pick_cubin(compiled.cubins, (major, minor)) if compiled else None
+    arch = nvrtc_compile.pick_cubin(compiled.cubins, (major, minor)) if compiled else None
     if arch is None:  # an arch outside the configured list: compile it now (and cache it)
         arch = major * 10 + minor
         compiled = nvrtc_compile.load_kernels((arch,))
@@ -265,7 +268,7 @@ def _load_library(ordinal: int, ctx: int, capability: tuple[int, int], sms: int)
     library = check(d.cuLibraryLoadData(cubin, None, None, 0, None, None, 0), "cuLibraryLoadData",
                     f"loading the sm_{arch} cubin on device {ordinal} (sm_{major}{minor})")
     rt = DeviceRuntime(ordinal=ordinal, context=ctx, capability=capability, sm_count=sms,
-                       arch=arch, library=library, sole=device_count() == 1)
+                       arch=arch, library=library, sole=device_count() == 1, pdl=pdl_wanted(arch))
     for name, struct_name in abi.KERNELS.items():
         kernel = check(d.cuLibraryGetKernel(library, name.encode()), f"cuLibraryGetKernel({name})")
         _check_param_size(kernel, name, ctypes.sizeof(abi.CTYPES[struct_name]))

@@ -103,7 +103,7 @@ class KvCanary:
         return s
 
     def launches_per_step(self) -> int:
-        """cuLaunchKernel calls of one eager ``before_forward`` + ``after_forward`` of the batch
+        """kernel launches of one eager ``before_forward`` + ``after_forward`` of the batch
         layout last packed: both stages' launches plus the pump's snapshot (0 on the host)."""
         if not self.backend.cached_launches or self.mode == "none":
             return 0
@@ -111,7 +111,7 @@ class KvCanary:
 
     @property
     def launch_count(self) -> int:
-        """cuLaunchKernel calls made so far by the step API and the pump (captures included)."""
+        """kernel launches made so far by the step API and the pump (captures included)."""
         return self.stages.launched + self.pump.launches
 
     def sweep(self, slots, positions, prev_slots, *, group: str = "FULL", stream=None) -> None:

@@ -28,7 +28,7 @@ class _Hot(NamedTuple):
 
 class StageLaunches:
     """The step launches of a canary built from ``parts`` (an :class:`~.assembly.Parts`).
-    ``launched`` counts the cuLaunchKernel calls made (captures included)."""
+    ``launched`` counts the kernel launches made (captures included)."""
 
     def __init__(self, parts):
         self.groups, self.ctx, self.plans, self.head_ctx = parts.groups, parts.ctx, parts.plans, parts.head_ctx

@@ -1,7 +1,7 @@
 """Host time per eager step of perf/test_host_path.py's workloads, on the CPU, launches as no-ops.
 
 No GPU: kvcanary's driver layer runs on tests/fake_cuda.py ("device memory" is host memory) and
-``cuLaunchKernel`` returns at once, so what is timed is kvcanary's own Python per step plus the
+``cuLaunchKernelEx`` returns at once, so what is timed is kvcanary's own Python per step plus the
 adapters' torch ops (CPU torch here: cheaper than CUDA torch ops, whose host cost is the launch).
 CPU torch tensors stand in for CUDA ones: their views say device 0 (``--emulate`` instead runs
 the emulated kernels, to check that the patched launches still read the right arrays).
@@ -33,7 +33,7 @@ def install():
     from kvcanary import arrays
     mp = pytest.MonkeyPatch()
     fake = fake_cuda.install(mp)
-    fake.cuLaunchKernel = lambda *a: (fake_cuda.OK,)
+    fake.cuLaunchKernel = fake.cuLaunchKernelEx = lambda *a: (fake_cuda.OK,)
     mp.setattr(arrays, "_torch_ordinal", lambda obj: 0)
     return fake, mp
 
@@ -87,7 +87,7 @@ class Work:
 def rows(torch, only):
     """(name, step function) of every timed path."""
     import kvcanary as kc
-    from kvcanary.adapters import sglang_batch, vllm_batch
+    from kvcanary.adapters import VllmBatchStager, sglang_batch, vllm_batch
     s = 0x5000
     for shape, (bs, prefix, extend) in SHAPES.items():
         for how in ("fresh Batch", "reused Batch", "sglang_batch"):
@@ -111,9 +111,9 @@ def rows(torch, only):
                 canary.before_forward(b, stream=s)
                 canary.after_forward(b, stream=s)
             yield name, step, canary
-    for shape in ("decode-bs1", "decode-bs64", "decode-bs256"):
+    for shape, how in itertools.product(("decode-bs1", "decode-bs64", "decode-bs256"), ("vllm_batch", "VllmBatchStager")):
         bs, prefix, extend = SHAPES[shape]
-        name = f"manager, vllm_batch (persistent buffers sliced), {shape}"
+        name = f"manager, {how} (persistent buffers sliced), {shape}"
         if not only or only in name:
             w = Work(torch, bs, prefix, extend, layout="paged")
             canary = w.canary()
@@ -140,6 +140,14 @@ def rows(torch, only):
                 return vllm_batch(block_table=table[:bs], seq_lens=seq[:bs], query_start_loc=qsl[:bs + 1],
                                   slot_mapping=slot_mapping[:t], input_ids=ids[:t], positions=pos[:t],
                                   block_size=block, req_to_token=rtt_out)
+            if how == "VllmBatchStager":
+                stager = VllmBatchStager(max_reqs=max_reqs, max_tokens=2 * t, max_len=blocks.shape[1] * block,
+                                         block_size=block)
+
+                def make(table=table, seq=seq, qsl=qsl, slot_mapping=slot_mapping, ids=ids, pos=pos, bs=bs, t=t,
+                         stager=stager):
+                    return stager(block_table=table[:bs], seq_lens=seq[:bs], query_start_loc=qsl[:bs + 1],
+                                  slot_mapping=slot_mapping[:t], input_ids=ids[:t], positions=pos[:t], stream=s)
 
             def step(canary=canary, make=make):
                 b = make()
@@ -147,7 +155,7 @@ def rows(torch, only):
                 canary.after_forward(b, stream=s)
             yield name, step, canary
         name = f"ops build_plan + fused_verify + write, fresh Batch, {shape}"
-        if not only or only in name:
+        if how == "vllm_batch" and (not only or only in name):
             w = Work(torch, bs, prefix, extend)
             ctx = kc.VerifyContext(kc.CanaryBuffer.allocate(w.num_slots, device=0), kc.ViolationSink.allocate(device=0),
                                    kc.LaunchTag.TAIL_K_FULL, [kc.RealKvSource(w.pool, 1, 1024, 1024)],

@@ -78,7 +78,9 @@ def forward_batches(torch, w, mode: str):
     return sglang_forward_batches(torch, b, mode, PREBUILT)
 
 
-def time_steps(report, timer, bounds, canary, make_batch, name: str):
+def time_steps(report, timer, bounds, canary, make_batch, name: str, other_launches=lambda: 0):
+    """Host time per eager step of make_batch() + before_forward + after_forward, against the
+    launches per step (the canary's, plus ``other_launches()`` counted by the batch's maker)."""
     calls = [0]
 
     def step():
@@ -89,9 +91,9 @@ def time_steps(report, timer, bounds, canary, make_batch, name: str):
 
     for _ in range(3):  # packed once per layout, outside the timed rounds
         step()
-    n0, c0 = canary.launch_count, calls[0]
+    n0, c0 = canary.launch_count + other_launches(), calls[0]
     t = report.host(step, batch=10, rounds=15, sync=timer.sync)
-    n = (canary.launch_count - n0) / (calls[0] - c0)
+    n = (canary.launch_count + other_launches() - n0) / (calls[0] - c0)
     canary.flush()
     assert canary.stats()["violations"] == 0, "the benchmark workload must step clean"
     report.row(f"host path: {name}", t, "s", bound=n * bounds.launch_floor,
@@ -117,10 +119,14 @@ def test_manager_host_path(report, workloads, timer, bounds, shape, how):
     time_steps(report, timer, bounds, canary, make, f"manager, {how}, {w.label}")
 
 
+@pytest.mark.parametrize("how", ["vllm_batch", "VllmBatchStager"])
 @pytest.mark.parametrize("shape", ["decode-bs1", "decode-bs64", "decode-bs256"])
-def test_vllm_persistent_buffers_sliced_per_step(report, workloads, timer, bounds, shape):
+def test_vllm_persistent_buffers_sliced_per_step(report, workloads, timer, bounds, shape, how):
+    """vLLM's persistent metadata buffers sliced per step, turned into the canary's Batch by
+    ``vllm_batch`` (torch ops, new tensors) or by a ``VllmBatchStager`` (one staging launch into
+    its own buffers, counted among the step's launches)."""
     torch = torch_or_skip()
-    from kvcanary.adapters import vllm_batch
+    from kvcanary.adapters import VllmBatchStager, vllm_batch
     bs, prefix, extend = SHAPES[shape]
     w = workloads.get(bs, prefix, extend, layout="paged")
     canary = make_canary(w, torch)
@@ -147,7 +153,19 @@ def test_vllm_persistent_buffers_sliced_per_step(report, workloads, timer, bound
                           slot_mapping=slot_mapping[:t], input_ids=ids[:t], positions=pos[:t], block_size=block,
                           req_to_token=rtt_out)
 
-    time_steps(report, timer, bounds, canary, make, f"manager, vllm_batch (persistent buffers sliced), {w.label}")
+    if how == "vllm_batch":
+        time_steps(report, timer, bounds, canary, make, f"manager, vllm_batch (persistent buffers sliced), {w.label}")
+        return
+    stager = VllmBatchStager(max_reqs=max_reqs, max_tokens=2 * bs * extend, max_len=blocks.shape[1] * block,
+                             block_size=block)
+    h = timer.handle
+
+    def staged():
+        return stager(block_table=table[:bs], seq_lens=seq[:bs], query_start_loc=qsl[:bs + 1],
+                      slot_mapping=slot_mapping[:t], input_ids=ids[:t], positions=pos[:t], stream=h)
+
+    time_steps(report, timer, bounds, canary, staged, f"manager, VllmBatchStager (persistent buffers sliced), "
+               f"{w.label}", other_launches=lambda: stager.launches)
 
 
 @pytest.mark.parametrize("shape", ["decode-bs1", "decode-bs64", "decode-bs256"])

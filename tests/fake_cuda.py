@@ -27,6 +27,7 @@ class FakeDriver:
         self.pending: dict[int, list] = defaultdict(list)   # stream -> [(kernel, params bytes)]
         self.launched: list[str] = []                        # kernel names, in launch order
         self.shapes: list[tuple[str, int, int]] = []         # (kernel, grid, block) per launch
+        self.pdl: list[bool] = []                            # per cuLaunchKernelEx: PDL allowed
         self.capturing: set[int] = set()                     # streams reported as capturing
         self.invalidated: set[int] = set()                   # captures a capture-unsafe call broke
         self.unsafe_calls: list[str] = []                    # those calls, in order
@@ -207,6 +208,17 @@ class FakeDriver:
         S = real.CUstreamCaptureStatus
         active = int(stream) in self.capturing
         return OK, S.CU_STREAM_CAPTURE_STATUS_ACTIVE if active else S.CU_STREAM_CAPTURE_STATUS_NONE
+
+    def cuLaunchKernelEx(self, config, fn, params, extra):
+        """As the driver: the config's grid, block and stream; its attributes are recorded (the
+        launch's programmatic stream serialization flag in ``pdl``) and the launch runs as
+        :meth:`cuLaunchKernel` (every kernel waits for the previous one first)."""
+        PSS = real.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attrs = list(config.attrs)[:config.numAttrs]
+        self.pdl.append(any(a.id == PSS and a.value.programmaticStreamSerializationAllowed for a in attrs))
+        return self.cuLaunchKernel(fn, config.gridDimX, config.gridDimY, config.gridDimZ, config.blockDimX,
+                                   config.blockDimY, config.blockDimZ, config.sharedMemBytes, config.hStream,
+                                   params, extra)
 
     def cuLaunchKernel(self, fn, gx, gy, gz, bx, by, bz, shared, stream, params, extra):
         size = ctypes.sizeof(abi.CTYPES[abi.KERNELS[fn]])

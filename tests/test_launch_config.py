@@ -1,0 +1,115 @@
+"""Programmatic dependent launch (docs/performance.md, "Launch latency"): on sm_90+ kvcanary's
+launches let the next kernel of the stream start during the previous one, which is safe only
+because every kernel's first statement waits for the previous grid (KVC_AFTER_PREVIOUS_GRID).
+
+Checked here without a GPU: every kernel of kernels_src/ begins with the wait; the wait is
+compiled for sm_90+ and for no older arch; the driver layer asks for PDL exactly where the loaded
+cubin has the wait (and ``KVCANARY_PDL`` is not 0); the launches of a manager step carry it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from kvcanary import abi, compile as kc_compile, driver, launch, manager
+from tests import fake_cuda
+from tests.test_pump import make_canary, step, stream
+from tests.test_abi_literals import strip_comments_and_strings
+
+WAIT = "KVC_AFTER_PREVIOUS_GRID();"
+KERNEL = re.compile(r'extern\s+__global__[^{;]*\{')  # extern "C": the strings are blanked
+
+
+def kernel_bodies():
+    """(file, kernel name, the code after its opening brace) of every kernel of kernels_src/."""
+    for name, text in kc_compile.read_sources().items():
+        code = strip_comments_and_strings(text).replace("\\\n", "\n")
+        for m in KERNEL.finditer(code):
+            kernel = re.search(r"(\w+(?:##\w+)?)\s*\(\s*const\s+__grid_constant__", code[m.start():m.end()])
+            yield name, kernel.group(1) if kernel else code[m.start():m.end()], code[m.end():]
+
+
+def test_every_kernel_waits_for_the_previous_grid_first():
+    found = list(kernel_bodies())
+    names = {k for _, k, _ in found}
+    assert "kvc_echo_##S" in names  # the echo kernels' macro
+    assert {k for k in abi.KERNELS if not k.startswith("kvc_echo_")} <= names, set(abi.KERNELS) - names
+    late = [f"{f}:{k}" for f, k, body in found if not body.lstrip().startswith(WAIT)]
+    assert not late, f"kernels whose first statement is not {WAIT}: {late}"
+
+
+def _ptx(arch: int) -> str:
+    nvrtc = kc_compile._nvrtc()
+    src = '#include "common.cuh"\nextern "C" __global__ void k(int* p) { KVC_AFTER_PREVIOUS_GRID(); *p = 1; }\n'
+    headers = {kc_compile.PRELUDE_NAME: abi.render_prelude(), **kc_compile.read_sources()}
+    err, prog = nvrtc.nvrtcCreateProgram(src.encode(), b"k.cu", len(headers), [v.encode() for v in headers.values()],
+                                         [k.encode() for k in headers])
+    assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS
+    try:
+        opts = [b"--std=c++17", f"--gpu-architecture=compute_{arch}".encode()]
+        (result,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        assert result == nvrtc.nvrtcResult.NVRTC_SUCCESS, f"compute_{arch}: {result}"
+        err, size = nvrtc.nvrtcGetPTXSize(prog)
+        ptx = bytes(max(int(size), 2))
+        nvrtc.nvrtcGetPTX(prog, ptx)
+        return ptx.rstrip(b"\0").decode()
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+@pytest.mark.parametrize("arch", sorted({80, 90, *kc_compile.DEFAULT_ARCHS}))
+def test_the_wait_is_compiled_exactly_from_sm90(arch):
+    if arch not in kc_compile.supported_archs():
+        pytest.skip(f"this NVRTC cannot target sm_{arch}")
+    ptx = _ptx(arch)
+    has = "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+    assert has == (arch * 10 >= abi.PDL_CUDA_ARCH), (arch, has)
+
+
+@pytest.mark.parametrize("arch,env,want", [(80, None, False), (86, None, False), (90, None, True), (100, None, True),
+                                           (120, None, True), (90, "0", False), (90, "1", True)])
+def test_pdl_is_wanted_where_the_cubin_waits(monkeypatch, arch, env, want):
+    if env is None:
+        monkeypatch.delenv("KVCANARY_PDL", raising=False)
+    else:
+        monkeypatch.setenv("KVCANARY_PDL", env)
+    assert launch.pdl_wanted(arch) is want
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    fake = fake_cuda.install(monkeypatch)
+    yield fake
+    fake_cuda.release(fake)
+
+
+@pytest.mark.parametrize("env,major,want", [(None, 9, True), ("0", 9, False), (None, 8, False)])
+def test_manager_launches_ask_for_pdl_where_wanted(monkeypatch, fake, env, major, want):
+    """Every launch of a K + V manager step (plan, writes, verifies, the pump's snapshot) asks for
+    programmatic stream serialization on an sm_90 device, and none does on sm_80 or with
+    KVCANARY_PDL=0."""
+    if major * 10 not in kc_compile.supported_archs():
+        pytest.skip(f"this NVRTC cannot target sm_{major}0")
+    if env is None:
+        monkeypatch.delenv("KVCANARY_PDL", raising=False)
+    else:
+        monkeypatch.setenv("KVCANARY_PDL", env)
+    plain = fake.cuDeviceGetAttribute
+    MAJOR = fake_cuda.real.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
+    monkeypatch.setattr(fake, "cuDeviceGetAttribute",
+                        lambda a, dev: (fake_cuda.OK, major) if a == MAJOR else plain(a, dev))
+    assert driver.runtime(0).pdl is want
+    _, batch, _ = make_canary()
+    canary = manager.KvCanary(manager.PoolGroup(64), device=0, hash_mode="none", max_batch=2, verify_capacity=256)
+    s = stream(fake)
+    step(canary, batch, s)
+    n0 = len(fake.pdl)
+    step(canary, batch, s)
+    assert fake.launched[-6:] == ["kvc_prepare", "kvc_write_pair", "kvc_fused_verify_pair", "kvc_write_pair",
+                                  "kvc_fused_verify_pair", "kvc_snapshot"]
+    assert fake.pdl[n0:] == [want] * 6
+    fake.run()
+    canary.flush()
+    canary.health_check()
