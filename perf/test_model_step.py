@@ -10,7 +10,8 @@ flush: the step streams gigabytes); the canary's added time is the difference of
 20 rounds with and 20 without it, interleaved. Rows: the step without the canary, then its overhead with
 ``layers="first"`` and ``layers="all"`` (PARTIAL; and all with the fingerprint budget
 ``fingerprint_every=8``, against all every step), bs 1 / 8 x 4096 and 64 / 256 x 2048 cached
-tokens; the ``all`` rows also against the bytes the canary must touch (per verify entry its
+tokens; at bs 1 and 8 the added time against the same canary launched without programmatic
+dependent launch, timed beside it; the ``all`` rows also against the bytes the canary must touch (per verify entry its
 req_to_token entry, four records and a 32-byte sector per fingerprinted strip; per new token its
 stamps). Targets (issue 13): first <= 0.5 % at bs >= 64, <= 1 % at bs 1-8; all: added time
 <= 1.5x its bytes bound at bs >= 64 and <= 15 us at bs 1. And an eager prefill chunk of 8192
@@ -18,6 +19,8 @@ tokens, with and without the canary.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 import pytest
@@ -149,6 +152,21 @@ def graphed(torch, model, step, bs, ctx, canary, batch, timer):
     return replay
 
 
+@contextlib.contextmanager
+def plain_launches():
+    """Launches packed inside the block use no programmatic dependent launch (as KVCANARY_PDL=0):
+    the A/B of the PDL rows, in one process."""
+    from kvcanary import driver
+    rt = driver.runtime(0)
+    old, rt.pdl = rt.pdl, False
+    rt._configs.clear()
+    try:
+        yield
+    finally:
+        rt.pdl = old
+        rt._configs.clear()
+
+
 def canary_bytes(bs: int, ctx: int, sources: int) -> int:
     """What the canary must touch per decode step: per verify entry (HEAD K, V and TAIL K, V) its
     req_to_token int32, four 32-byte records and a 32-byte sector per fingerprinted strip; per
@@ -179,10 +197,22 @@ def test_model_decode_step(report, timer, bounds, shape, layers):
     canary.health_check()
     # the added time from rounds of the step with and without the canary interleaved (one after
     # the other, a clock drift between the two runs of 20 rounds moved bs 64's overhead 0.35 -> 0.55 %)
-    both = timer.gpu_time_interleaved({"with": run, "without": graphed(torch, model, step, bs, ctx, None, batch, timer)},
-                                      warmup=3, repeat=20, flush=False)
+    runs = {"with": run, "without": graphed(torch, model, step, bs, ctx, None, batch, timer)}
+    if bs <= 8 and not every:  # the same canary launched without programmatic dependent launch, beside it
+        with plain_launches():
+            off = make_canary(model, bs, ctx, layers, setup, timer.handle, 1)
+            runs["with, PDL off"] = graphed(torch, model, step, bs, ctx, off, batch, timer)
+    both = timer.gpu_time_interleaved(runs, warmup=3, repeat=20, flush=False)
     t, t0 = both["with"], both["without"]
     added = t - t0
+    if "with, PDL off" in both:
+        off.poll(timer.handle)
+        off.flush()
+        assert off.stats()["violations"] == 0, "the model step must run clean"
+        off_added = both["with, PDL off"] - t0
+        report.row(f"{name}: canary layers={layers} PARTIAL, added time with PDL / PDL off", added, "s",
+                   bound=off_added, bound_name="the same canary, plain launches (same run)", ratio=added / off_added,
+                   step_s=t, step_without_s=t0)
     if every:  # the fingerprint budget: identity every step, each token's bytes once every BUDGET steps
         report.row(f"{name}: canary layers=all PARTIAL fingerprint_every={every}, added time", added, "s",
                    bound=t_all_cached(shape), bound_name="layers=all PARTIAL, every step (same run)",
