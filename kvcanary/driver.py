@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass, field
 
 from . import abi, compile as nvrtc_compile
-from .launch import launch_config, pdl_wanted
+from .launch import PLAIN_KERNELS, launch_config, pdl_wanted
 from .errors import DriverError, KvCanaryError, NoCudaDriverError
 
 _lock = threading.Lock()
@@ -139,16 +139,16 @@ class DeviceRuntime:
             s = self._streams.setdefault(stream, _driver().CUstream(stream))
         return s
 
-    def config(self, grid: int, grid_y: int, block: int, stream: int):
-        """The launch config (:func:`~.launch.launch_config`) of a ``grid`` x ``grid_y`` grid of
-        ``block`` threads on the raw stream handle ``stream``; built once, kept (4096 at most)."""
-        key = (grid, grid_y, block, stream)
+    def config(self, grid: int, grid_y: int, block: int, stream: int, name: str = ""):
+        """The launch config (:func:`~.launch.launch_config`) of kernel ``name``'s ``grid`` x ``grid_y`` grid
+        on the raw stream handle ``stream``, PDL unless in ``PLAIN_KERNELS``; built once, kept (4096 at most)."""
+        pdl = self.pdl and name not in PLAIN_KERNELS
+        key = (grid, grid_y, block, stream, pdl)
         cfg = self._configs.get(key)
         if cfg is None:
             if len(self._configs) >= 4096:
                 self._configs.clear()
-            cfg = self._configs.setdefault(key, launch_config(_driver(), grid, grid_y, block, self.cu_stream(stream),
-                                                              self.pdl))
+            cfg = self._configs.setdefault(key, launch_config(_driver(), grid, grid_y, block, self.cu_stream(stream), pdl))
         return cfg
 
     def launch(self, name: str, grid: int, block: int, args_address: int, stream: int, grid_y: int = 1) -> None:
@@ -156,7 +156,7 @@ class DeviceRuntime:
         ``grid`` x ``grid_y`` grid: ``grid_y`` is abi.HALVES for a paired launch). With one device
         (one primary context) launch first, and make it current only if the driver refuses (no or
         another context current); with several the current context is checked before every launch."""
-        fn, cfg = self.functions[name], self.config(grid, grid_y, block, stream)
+        fn, cfg = self.functions[name], self.config(grid, grid_y, block, stream, name)
         if self.sole:
             (err,) = _driver().cuLaunchKernelEx(cfg, fn, args_address, 0)
             if not err:
@@ -175,7 +175,7 @@ class DeviceRuntime:
         def launch(stream: int) -> None:
             cfg = configs.get(stream)
             if cfg is None:
-                cfg = configs.setdefault(stream, self.config(grid, grid_y, block, stream))
+                cfg = configs.setdefault(stream, self.config(grid, grid_y, block, stream, name))
             (err,) = launch_ex(cfg, fn, args_address, 0)
             if err:
                 self._raise_unless_context_error(err, name, grid, block)

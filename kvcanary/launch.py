@@ -72,6 +72,12 @@ def launch_config(d, grid: int, grid_y: int, block: int, stream, pdl: bool):
     return cfg
 
 
+# Kernels launched without PDL even where it is on: the many-source verifies (2 blocks per SM, 35 KB of
+# shared memory each), whose early-resident blocks made the 1.1 B model's layers="all" decode step
+# 4-10 % slower on the H200 while every other kernel's step got faster (docs/performance.md).
+PLAIN_KERNELS = frozenset({"kvc_verify_many", "kvc_fused_verify_many", "kvc_fused_verify_many_pair"})
+
+
 def pdl_wanted(arch: int) -> bool:
     """Whether launches of a cubin for ``arch`` (e.g. 90) use programmatic dependent launch: its
     kernels were compiled with the wait (sm_90+) and KVCANARY_PDL is not "0"."""

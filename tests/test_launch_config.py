@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
+
+import kvcanary as kc
 
 from kvcanary import abi, compile as kc_compile, driver, launch, manager
 from tests import fake_cuda
@@ -113,3 +116,22 @@ def test_manager_launches_ask_for_pdl_where_wanted(monkeypatch, fake, env, major
     fake.run()
     canary.flush()
     canary.health_check()
+
+
+def test_many_source_verifies_launch_plain_and_the_rest_with_pdl(fake):
+    """launch.PLAIN_KERNELS (the many-source verifies) never ask for PDL; the step's other launches do."""
+    from kvcanary import memory
+    assert driver.runtime(0).pdl
+    pool = memory.zeros((64, 1024), np.uint8)
+    sources = [kc.RealKvSource(pool, 1, 1024, 1024) for _ in range(abi.MANY_SOURCES)]
+    canary = manager.KvCanary(manager.PoolGroup(64, k_sources=sources, v_sources=sources), device=0,
+                              hash_mode="partial", max_batch=2, verify_capacity=256)
+    _, batch, _ = make_canary()
+    s = stream(fake)
+    step(canary, batch, s)
+    n0 = len(fake.pdl)
+    step(canary, batch, s)
+    asked = dict(zip(fake.launched[-6:], fake.pdl[n0:]))
+    assert "kvc_fused_verify_many_pair" in asked and asked.pop("kvc_fused_verify_many_pair") is False
+    assert set(launch.PLAIN_KERNELS) <= set(abi.KERNELS)
+    assert asked and all(asked.values()), asked
