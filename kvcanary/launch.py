@@ -73,8 +73,8 @@ def launch_config(d, grid: int, grid_y: int, block: int, stream, pdl: bool):
 
 
 # Kernels launched without PDL even where it is on: the many-source verifies (2 blocks per SM, 35 KB of
-# shared memory each), whose early-resident blocks made the 1.1 B model's layers="all" decode step
-# 4-10 % slower on the H200 while every other kernel's step got faster (docs/performance.md).
+# shared memory each). With them early-resident the 1.1 B model's layers="all" decode step was 4-10 %
+# slower than with plain launches on the H200; without, 0.94-1.04x (docs/performance.md).
 PLAIN_KERNELS = frozenset({"kvc_verify_many", "kvc_fused_verify_many", "kvc_fused_verify_many_pair"})
 
 
