@@ -15,8 +15,8 @@ import threading
 from dataclasses import dataclass, field
 
 from . import abi, compile as nvrtc_compile
-from .launch import PLAIN_KERNELS, launch_config, pdl_wanted
 from .errors import DriverError, KvCanaryError, NoCudaDriverError
+from .launch import PLAIN_KERNELS, launch_config, pdl_wanted
 
 _lock = threading.Lock()
 _initialised = False
@@ -108,7 +108,7 @@ class DeviceRuntime:
     pdl: bool = False  # launches may start during the previous kernel of their stream (common.cuh)
     _streams: dict = field(default_factory=dict)  # CUstream objects by handle (launch hot path)
     _occupancy: dict = field(default_factory=dict)  # (kernel, block) -> resident blocks
-    _configs: dict = field(default_factory=dict)  # (grid, grid_y, block, stream) -> launch config
+    _configs: dict = field(default_factory=dict)  # (grid, grid_y, block, stream, pdl) -> launch config
 
     def enter(self) -> bool:
         """Make this device's primary context current; True if one had to be pushed (pushing leaves
