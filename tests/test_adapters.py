@@ -244,6 +244,9 @@ def test_vllm_batch_fields():
     assert b.req_pool_indices.tolist() == [1, 2, 3] and b.prefix_lens.tolist() == [5, 0, 0]
     assert b.extend_lens.tolist() == [1, 2, 0] and b.out_cache_loc.tolist() == [13, 20, 21, -1]
     assert b.req_to_token[1, :6].tolist() == [12, 13, 14, 15, 28, 29] and b.input_ids.dtype == np.int64
+    with pytest.raises(kc.ValidationError, match=r"query_start_loc must hold num_reqs \+ 1 offsets .* got an empty"):
+        vllm_batch(block_table=bt, seq_lens=np.array([6, 2, 0], np.int32), query_start_loc=np.zeros(0, np.int32),
+                   slot_mapping=np.array([13]), input_ids=np.array([4]), positions=np.array([5]), block_size=4)
 
 
 # ---- whole runs through a host KvCanary -----------------------------------------------------------

@@ -218,6 +218,9 @@ def vllm_batch(*, block_table, seq_lens, query_start_loc, slot_mapping, input_id
     qsl_view, bt_view = _int_array("query_start_loc", query_start_loc, 1), _int_array("block_table", block_table, 2)
     tokens = min(_int_array(k, v, 1).shape[0] for k, v in (("slot_mapping", slot_mapping), ("input_ids", input_ids),
                                                           ("positions", positions)))
+    if qsl_view.shape[0] < 1:
+        raise ValidationError("kv-canary: query_start_loc must hold num_reqs + 1 offsets (at least the leading 0), got "
+                              "an empty array. Fix: pass the metadata's query_start_loc")
     rows = min(bt_view.shape[0], qsl_view.shape[0] - 1)
     n = rows if num_reqs is None else integer("num_reqs", num_reqs, lo=0, hi=max(rows, 0),
                                               fix=f"pass at most the {rows} requests the metadata holds")

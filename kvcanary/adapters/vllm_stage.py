@@ -122,6 +122,9 @@ class VllmBatchStager:
                                       f"got {v.describe()}. Fix: build the stager with device={v.device}")
             wide |= int(v.itemsize == 8) << i
         bt, seq, qsl, *tok = views
+        if qsl.shape[0] < 1:
+            raise ValidationError("kv-canary: query_start_loc must hold num_reqs + 1 offsets (at least the leading 0), "
+                                  "got an empty array. Fix: pass the metadata's query_start_loc")
         rows = min(bt.shape[0], seq.shape[0], qsl.shape[0] - 1)
         n = rows if num_reqs is None else integer("num_reqs", num_reqs, lo=0, hi=max(rows, 0),
                                                   fix=f"pass at most the {rows} requests the metadata holds")

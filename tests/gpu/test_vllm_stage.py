@@ -107,6 +107,7 @@ def test_a_step_of_the_same_shape_returns_the_same_batch_restaged():
     (lambda m: {**m, "seq_lens": m["seq_lens"].astype(np.float32)}, r"seq_lens must be int32 or int64, got float32"),
     (lambda m: {**m, "positions": np.stack([m["positions"]] * 2)}, r"positions must be a 1-D array"),
     (lambda m: {**m, "input_ids": m["input_ids"].astype(np.int16)}, r"input_ids must be int32 or int64, got int16"),
+    (lambda m: {**m, "query_start_loc": m["query_start_loc"][:0]}, r"query_start_loc must hold num_reqs \+ 1 offsets"),
 ])
 def test_bad_arrays_are_refused_with_the_fix(bad, match):
     meta, mb = metadata(20, 4)
