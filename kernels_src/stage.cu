@@ -1,5 +1,8 @@
-// One step of vLLM attention metadata staged into a Batch's persistent buffers
-// (kvcanary.adapters.vllm_stage; the values of kvcanary.adapters.vllm.vllm_batch): request-pool
+// An engine's step staged into a Batch's persistent buffers, one launch instead of an adapter's
+// framework ops: kvc_stage_vllm (below) and kvc_stage_paged (at the end).
+//
+// kvc_stage_vllm: one step of vLLM attention metadata (kvcanary.adapters.vllm_stage; the values of
+// kvcanary.adapters.vllm.vllm_batch): request-pool
 // rows r + 1, extend = query_start_loc[r + 1] - query_start_loc[r], prefix = seq_lens[r] - extend,
 // req_to_token row r + 1 = block_table[r][p / block_size] * block_size + p % block_size for
 // p < seq_lens[r] and 0 past it (row 0 all 0; the slot truncated to int32 as the adapter's cast
@@ -10,6 +13,11 @@
 // not checked: a wrong length or block id becomes a wrong slot or length in the Batch, which the
 // plan and verify kernels bound-check and report. Grid-stride, any grid; never raises, never waits.
 #include "common.cuh"
+
+// a - b wrapping at 64 bits, as the int64 framework ops do (signed overflow is undefined in C++)
+__device__ __forceinline__ long long kvc_sub_wrap(long long a, long long b) {
+  return (long long)((unsigned long long)a - (unsigned long long)b);
+}
 
 __device__ __forceinline__ long long kvc_stage_load(const void* base, long long i, int wide, int which) {
   return (wide >> which) & 1 ? static_cast<const long long*>(base)[i] : (long long)static_cast<const int*>(base)[i];
@@ -23,8 +31,8 @@ extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_stage_vllm(c
     const long long q1 = kvc_stage_load(p.query_start_loc, r + 1, p.wide, KVC_STAGE_QUERY_START_LOC);
     const long long seq = kvc_stage_load(p.seq_lens, r, p.wide, KVC_STAGE_SEQ_LENS);
     p.rows[r] = r + 1;
-    p.extend_lens[r] = q1 - q0;
-    p.prefix_lens[r] = seq - (q1 - q0);
+    p.extend_lens[r] = kvc_sub_wrap(q1, q0);
+    p.prefix_lens[r] = kvc_sub_wrap(seq, kvc_sub_wrap(q1, q0));
   }
   for (long long i = first; i < p.num_tokens; i += stride) {
     p.out_input_ids[i] = kvc_stage_load(p.input_ids, i, p.wide, KVC_STAGE_INPUT_IDS);
@@ -37,9 +45,63 @@ extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_stage_vllm(c
     long long slot = 0;
     if (row > 0 && pos < kvc_stage_load(p.seq_lens, row - 1, p.wide, KVC_STAGE_SEQ_LENS)) {
       const long long blk = pos / p.block_size;
-      slot = kvc_stage_load(p.block_table, (row - 1) * p.block_table_stride + blk, p.wide, KVC_STAGE_BLOCK_TABLE)
-             * p.block_size + (pos - blk * p.block_size);
+      const long long id = kvc_stage_load(p.block_table, (row - 1) * p.block_table_stride + blk, p.wide,
+                                          KVC_STAGE_BLOCK_TABLE);  // any value: wraps as the int64 ops do
+      slot = (long long)((unsigned long long)id * (unsigned long long)p.block_size + (unsigned long long)(pos - blk * p.block_size));
     }
     p.req_to_token[c] = (int)slot;
+  }
+}
+
+// Canary slot of physical cache index p (kvcanary.adapters.transformers_layout.PagedLayout.to_slots):
+// block p / block_stride (floor), token p mod block_stride (non-negative) of its page; an index
+// that names no token (negative, an offset past the page, a slot past the buffer) is num_slots.
+__device__ __forceinline__ long long kvc_stage_slot(const KvcStagePagedParams& p, long long index) {
+  long long block = index / p.block_stride, offset = index % p.block_stride;
+  if (offset < 0) {  // floor division
+    offset += p.block_stride;
+    --block;
+  }
+  const long long slot = (long long)((unsigned long long)block * (unsigned long long)p.page_size
+                                     + (unsigned long long)offset);  // wraps as torch's int64 ops do
+  return (index < 0 || offset >= p.page_size || slot >= p.num_slots) ? p.num_slots : slot;
+}
+
+// One step of a paged engine given as cumulative query / key lengths and physical indices
+// (transformers continuous batching; the values of kvcanary.adapters.transformers_batch's torch
+// path): rows r + 1, extend = cu_q[r + 1] - cu_q[r], prefix = cu_k[r + 1] - cu_k[r] - extend, the
+// tokens' ids and positions widened, out_cache_loc the slots of write_index, and read index j
+// scattered into req_to_token row r + 1, column j - cu_k[r], where r is the number of cu_k[1..n]
+// at or below j (at most n - 1) and the column is clamped into the row: wrong lengths become wrong
+// slots, never an access outside the map. Grid-stride, any grid; never raises, never waits.
+extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_stage_paged(const __grid_constant__ KvcStagePagedParams p) {
+  KVC_AFTER_PREVIOUS_GRID();
+  const long long stride = (long long)gridDim.x * blockDim.x, first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  for (long long r = first; r < p.num_reqs; r += stride) {
+    const long long q = kvc_sub_wrap(kvc_stage_load(p.cu_q, r + 1, p.wide, KVC_STAGE_CU_Q),
+                                     kvc_stage_load(p.cu_q, r, p.wide, KVC_STAGE_CU_Q));
+    const long long k = kvc_sub_wrap(kvc_stage_load(p.cu_k, r + 1, p.wide, KVC_STAGE_CU_K),
+                                     kvc_stage_load(p.cu_k, r, p.wide, KVC_STAGE_CU_K));
+    p.rows[r] = r + 1;
+    p.extend_lens[r] = q;
+    p.prefix_lens[r] = kvc_sub_wrap(k, q);
+  }
+  for (long long i = first; i < p.num_tokens; i += stride) {
+    p.out_input_ids[i] = kvc_stage_load(p.input_ids, i, p.wide, KVC_STAGE_IDS);
+    p.out_positions[i] = kvc_stage_load(p.positions, i, p.wide, KVC_STAGE_POSITIONS);
+  }
+  for (long long i = first; i < p.num_write; i += stride)
+    p.out_cache_loc[i] = kvc_stage_slot(p, kvc_stage_load(p.write_index, i, p.wide, KVC_STAGE_WRITE));
+  if (p.num_reqs <= 0) return;
+  for (long long j = first; j < p.num_read; j += stride) {
+    long long lo = 0, hi = p.num_reqs;  // r = #{ m in [1, n] : cu_k[m] <= j }, by binary search
+    while (lo < hi) {
+      const long long mid = (lo + hi) / 2;
+      if (kvc_stage_load(p.cu_k, mid + 1, p.wide, KVC_STAGE_CU_K) <= j) lo = mid + 1;
+      else hi = mid;
+    }
+    const long long r = lo < p.num_reqs - 1 ? lo : p.num_reqs - 1;
+    const long long col = kvc_clamp(kvc_sub_wrap(j, kvc_stage_load(p.cu_k, r, p.wide, KVC_STAGE_CU_K)), 0, p.rtt_cols - 1);
+    p.req_to_token[(r + 1) * p.rtt_cols + col] = (int)kvc_stage_slot(p, kvc_stage_load(p.read_index, j, p.wide, KVC_STAGE_READ));
   }
 }

@@ -358,7 +358,7 @@ SNAPSHOT_PARAMS = StructDecl("KvcSnapshotParams", (
 ))
 
 # One step of vLLM attention metadata staged into a Batch's persistent buffers (kernels_src/stage.cu,
-# kvcanary.adapters.vllm_stage): one launch instead of the adapter's torch ops. Each input is int32
+# kvcanary.adapters.stage): one launch instead of the adapter's torch ops. Each input is int32
 # or int64 (bit STAGE_* of `wide`); the 1-D inputs are contiguous, the block table's rows too.
 STAGE_BLOCK_TABLE, STAGE_SEQ_LENS, STAGE_QUERY_START_LOC, STAGE_SLOT_MAPPING, STAGE_INPUT_IDS, STAGE_POSITIONS = range(6)
 STAGE_VLLM_PARAMS = StructDecl("KvcStageVllmParams", (
@@ -384,6 +384,36 @@ STAGE_VLLM_PARAMS = StructDecl("KvcStageVllmParams", (
     _F("_pad", "i32"),
 ))
 
+# One step of a paged engine given as cumulative query / key lengths and physical cache indices
+# (transformers continuous batching: kernels_src/stage.cu, kvcanary.adapters.transformers_batch),
+# staged like the vLLM step above. Bit STAGE_* of `wide` (input order below): int64, else int32.
+STAGE_CU_Q, STAGE_CU_K, STAGE_READ, STAGE_WRITE, STAGE_IDS = range(5)  # positions: STAGE_POSITIONS, as above
+STAGE_PAGED_PARAMS = StructDecl("KvcStagePagedParams", (
+    _F("cu_q", "ptr:const void"),            # [num_reqs + 1] cumulative new tokens
+    _F("cu_k", "ptr:const void"),            # [num_reqs + 1] cumulative cached + new tokens
+    _F("read_index", "ptr:const void"),      # [num_read] physical indices, request by request
+    _F("write_index", "ptr:const void"),     # [num_write] physical indices of the new tokens
+    _F("input_ids", "ptr:const void"),       # [num_tokens]
+    _F("positions", "ptr:const void"),       # [num_tokens]
+    _F("rows", "ptr:long long"),             # out [num_reqs]: request-pool row r + 1
+    _F("prefix_lens", "ptr:long long"),      # out [num_reqs]: key length - query length
+    _F("extend_lens", "ptr:long long"),      # out [num_reqs]: query length
+    _F("req_to_token", "ptr:int"),           # [rtt_rows, rtt_cols], read slots scattered into rows 1..
+    _F("out_input_ids", "ptr:long long"),    # out [num_tokens]
+    _F("out_positions", "ptr:long long"),
+    _F("out_cache_loc", "ptr:long long"),    # out [num_write]: canary slots of write_index
+    _F("rtt_cols", "i64"),
+    _F("num_reqs", "i64"),                   # < rtt_rows (checked on the host)
+    _F("num_read", "i64"),
+    _F("num_write", "i64"),
+    _F("num_tokens", "i64"),
+    _F("block_stride", "i64"),               # physical rows per block (> 0)
+    _F("page_size", "i64"),                  # tokens per page
+    _F("num_slots", "i64"),                  # the slot of an index that names no token
+    _F("wide", "i32"),
+    _F("_pad", "i32"),
+))
+
 # The K and V halves of a group in one launch (docs/format.md §7): HALVES params structs, one per
 # half, and a 2-D grid whose blockIdx.y picks the half; each half runs as its own launch would.
 HALVES = 2
@@ -393,7 +423,7 @@ FUSED_VERIFY_PAIR = StructDecl("KvcFusedVerifyPair", (_F("half", "struct:KvcFuse
 STRUCTS: tuple[StructDecl, ...] = (
     SOURCE_DESC, VERIFY_PARAMS, WRITE_PARAMS, PREPARE_PARAMS, EXPAND_PARAMS,
     FUSED_VERIFY_PARAMS, RECORDS_PARAMS, PROBE_PARAMS, SNAPSHOT_PARAMS, WRITE_PAIR, FUSED_VERIFY_PAIR,
-    STAGE_VLLM_PARAMS,
+    STAGE_VLLM_PARAMS, STAGE_PAGED_PARAMS,
 )
 _BY_NAME = {s.name: s for s in STRUCTS}
 PARAMS_STRUCTS = tuple(s for s in STRUCTS if s is not SOURCE_DESC)
@@ -417,6 +447,7 @@ KERNELS: dict[str, str] = {
     "kvc_snapshot": SNAPSHOT_PARAMS.name,
     "kvc_copy_records": RECORDS_PARAMS.name,
     "kvc_stage_vllm": STAGE_VLLM_PARAMS.name,
+    "kvc_stage_paged": STAGE_PAGED_PARAMS.name,
     "kvc_empty": PROBE_PARAMS.name,
     "kvc_abi_layout": PROBE_PARAMS.name,
     **{f"kvc_echo_{s.name}": s.name for s in PARAMS_STRUCTS},
@@ -484,6 +515,7 @@ RecordsParams = CTYPES["KvcRecordsParams"]
 WritePair = CTYPES["KvcWritePair"]
 FusedVerifyPair = CTYPES["KvcFusedVerifyPair"]
 StageVllmParams = CTYPES["KvcStageVllmParams"]
+StagePagedParams = CTYPES["KvcStagePagedParams"]
 # The paired entry point of a kernel (one launch for both halves), by the kernel's name.
 PAIRED = {"kvc_write": "kvc_write_pair", "kvc_fused_verify": "kvc_fused_verify_pair",
           "kvc_fused_verify_wide": "kvc_fused_verify_wide_pair", "kvc_fused_verify_many": "kvc_fused_verify_many_pair"}
@@ -521,6 +553,8 @@ def constants() -> dict[str, int]:
         "KVC_STAGE_BLOCK_TABLE": STAGE_BLOCK_TABLE, "KVC_STAGE_SEQ_LENS": STAGE_SEQ_LENS,
         "KVC_STAGE_QUERY_START_LOC": STAGE_QUERY_START_LOC, "KVC_STAGE_SLOT_MAPPING": STAGE_SLOT_MAPPING,
         "KVC_STAGE_INPUT_IDS": STAGE_INPUT_IDS, "KVC_STAGE_POSITIONS": STAGE_POSITIONS,
+        "KVC_STAGE_CU_Q": STAGE_CU_Q, "KVC_STAGE_CU_K": STAGE_CU_K, "KVC_STAGE_READ": STAGE_READ,
+        "KVC_STAGE_WRITE": STAGE_WRITE, "KVC_STAGE_IDS": STAGE_IDS,
     }
     for field in BatchField:
         out[f"KVC_BATCH_{field.name}"] = int(field)

@@ -191,9 +191,11 @@ def test_ops_path_eager(report, workloads, timer, bounds, shape):
                launches_per_step=3)
 
 
-def test_transformers_canary_generation(report, bounds):
-    """Issue 12: TransformersCanary in continuous batching (it stages each step's expected tokens
-    in pinned memory). 16 requests of 40-120 prompt tokens, 24 new tokens each, greedy."""
+@pytest.mark.parametrize("how", ["staged", "torch ops"])
+def test_transformers_canary_generation(report, bounds, how):
+    """Issue 12: TransformersCanary in continuous batching, each step's Batch staged in one launch
+    (PagedBatchStager) or built with torch ops (stage_on_device=False); the expected tokens are
+    staged in pinned memory either way. 16 requests of 40-120 prompt tokens, 24 new tokens each, greedy."""
     torch = torch_or_skip()
     transformers = pytest.importorskip("transformers")
     from kvcanary.adapters import TransformersCanary
@@ -214,7 +216,8 @@ def test_transformers_canary_generation(report, bounds):
                                                max_requests_per_batch=16, use_cuda_graph=False,
                                                use_async_batching=False, max_blocks_per_request=0)
     seen = []  # the canary's launches so far at each step's end (a generation's canary counts from 0)
-    canary = TransformersCanary(model, after_step=lambda info: seen.append(tc_launches()))
+    canary = TransformersCanary(model, after_step=lambda info: seen.append(tc_launches()),
+                                stage_on_device=how == "staged")
 
     def tc_launches() -> int:
         return canary.canary.launch_count if canary.canary is not None else 0
@@ -236,15 +239,17 @@ def test_transformers_canary_generation(report, bounds):
     t, t0 = report.host(lambda: generate(True), batch=1, rounds=5, warmup=1, sync=torch.cuda.synchronize,
                         interleave=lambda: generate(False))
     steps = (canary.steps - steps0) / runs[0]
-    launches = sum(_last_of_each_run(seen)) / runs[0]
+    staging = 1 if how == "staged" else 0  # the stager's launch per step, beside the canary's
+    launches = sum(_last_of_each_run(seen)) / runs[0] + staging * steps
     assert canary.summary()["detections"] == 0, "the benchmark generation must run clean"
     per_step = launches / steps
-    report.row("host path: TransformersCanary (continuous batching, 16 requests, 3-layer bf16 Llama), added time "
-               "per step", (t - t0) / steps, "s", bound=per_step * bounds.launch_floor,
+    label = "" if how == "staged" else ", torch ops"
+    report.row(f"host path: TransformersCanary (continuous batching, 16 requests, 3-layer bf16 Llama{label}), added "
+               "time per step", (t - t0) / steps, "s", bound=per_step * bounds.launch_floor,
                bound_name=f"{per_step:.3g} launches per step x raw launch floor", target=TARGET,
                steps_per_generation=steps, generation_s=t, generation_without_s=t0)
-    report.row("host path: TransformersCanary (continuous batching, 16 requests, 3-layer bf16 Llama), generation "
-               "overhead", (t - t0) / t0, "of the generation", generation_s=t, generation_without_s=t0)
+    report.row(f"host path: TransformersCanary (continuous batching, 16 requests, 3-layer bf16 Llama{label}), "
+               "generation overhead", (t - t0) / t0, "of the generation", generation_s=t, generation_without_s=t0)
 
 
 def _last_of_each_run(seen: list) -> list:

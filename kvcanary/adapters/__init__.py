@@ -7,8 +7,8 @@ per-step :class:`~kvcanary.Batch` from the engine's metadata, on the engine's de
 
 - :mod:`.sglang`: SGLang-style MHA / MLA / hybrid SWA pools, with scale tensors of quantised pools;
 - :mod:`.vllm`: vLLM-style per-layer paged caches (layouts detected in :mod:`.vllm_layout`), the block
-  table -> ``req_to_token`` expansion and V1's per-layer attention metadata; :mod:`.vllm_stage`
-  stages a step's metadata into persistent Batch buffers in one launch;
+  table -> ``req_to_token`` expansion and V1's per-layer attention metadata; :mod:`.stage`
+  stages a step's metadata into persistent Batch buffers in one launch (vLLM, transformers);
 - :mod:`.transformers_paged`: Hugging Face ``transformers`` continuous batching (``generate_batch``).
 
 Which layers are fingerprinted is chosen with ``layers=``: None/"first" (default, layer 0), "all"
@@ -22,11 +22,11 @@ from .transformers_paged import StepInfo, TransformersCanary
 from .vllm import (block_table_to_req_to_token, vllm_batch, vllm_batch_from_metadata, vllm_canary,
                    vllm_layer_layout, vllm_layer_sources, vllm_metadata, vllm_pool_group)
 from .vllm_layout import KV_CACHE_LAYOUTS
-from .vllm_stage import VllmBatchStager
+from .stage import PagedBatchStager, VllmBatchStager
 
 __all__ = [
     "select_layers", "is_swa_pool", "sglang_batch", "sglang_canary", "sglang_groups", "sglang_pool_group",
     "sglang_sources", "StepInfo", "TransformersCanary", "block_table_to_req_to_token", "vllm_batch",
     "vllm_batch_from_metadata", "vllm_canary", "vllm_layer_layout", "vllm_layer_sources", "vllm_metadata",
-    "vllm_pool_group", "KV_CACHE_LAYOUTS", "VllmBatchStager",
+    "vllm_pool_group", "KV_CACHE_LAYOUTS", "VllmBatchStager", "PagedBatchStager",
 ]

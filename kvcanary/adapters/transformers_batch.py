@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..plan import Batch
+from .stage import PagedBatchStager
 
 
 @dataclass
@@ -38,10 +39,14 @@ def tokens(state, start: int, count: int) -> list[int]:
 
 class StepBatches:
     """The Batch of each step over one cache :class:`~.transformers_layout.PagedLayout`; the
-    ``req_to_token`` map (``rows`` rows: the canary's max_batch + 1) is kept across steps."""
+    ``req_to_token`` map (``rows`` rows: the canary's max_batch + 1) is kept across steps. On a
+    CUDA ``device`` the step is staged in one launch (:class:`~.stage.PagedBatchStager`: the same
+    values as the torch ops below, which a host canary uses)."""
 
-    def __init__(self, layout, rows: int):
+    def __init__(self, layout, rows: int, device: int | None = None, tokens: int = 256):
         self.layout, self.rows, self.rtt = layout, rows, None
+        self.stager = None if device is None else PagedBatchStager(layout, max_reqs=rows - 1, max_tokens=tokens,
+                                                                   max_writes=tokens, device=device)
 
     def req_to_token(self, length: int, like):
         """The persistent int32 [rows, >= length] map, grown (doubling) on the host's say-so only."""
@@ -58,6 +63,12 @@ class StepBatches:
         cu_q, cu_k = data["cu_seq_lens_q"], data["cu_seq_lens_k"]
         if isinstance(cu_k, dict):
             cu_k = cu_k["full_attention"]
+        if self.stager is not None:
+            ids = data["input_ids"][0]
+            exp_ids, exp_pos = self.expected(ids, pending) if check_inputs else (None, None)
+            return self.stager(cu_q=cu_q, cu_k=cu_k, read_index=data["read_index"][0], write_index=data["write_index"][0],
+                               input_ids=ids, positions=data["position_ids"][0], max_len=pending.max_len,
+                               expected_input_ids=exp_ids, expected_positions=exp_pos)
         cu_q, cu_k = cu_q.to(torch.int64), cu_k.to(torch.int64)
         n = int(cu_q.shape[0]) - 1
         extend = cu_q[1:] - cu_q[:-1]
@@ -71,19 +82,24 @@ class StepBatches:
             rtt[r + 1, col] = self.layout.to_slots(read).to(torch.int32)
         ids = data["input_ids"][0].to(torch.int64)
         pos = data["position_ids"][0].to(torch.int64)
-        exp_ids = exp_pos = None
-        if check_inputs:
-            t = int(ids.shape[0])
-            # A copy from pageable memory to a CUDA device waits for the stream (the host stalls
-            # behind the previous step's forward): stage in pinned memory and copy asynchronously.
-            # torch's pinned allocator reuses the block only once the copy is done.
-            cuda = ids.device.type == "cuda"
-            exp = torch.zeros((2, t), dtype=torch.int64, pin_memory=cuda)
-            m = min(t, len(pending.ids))
-            exp[0, :m] = torch.tensor(pending.ids[:m], dtype=torch.int64)
-            exp[1, :m] = torch.tensor(pending.positions[:m], dtype=torch.int64)
-            exp = exp.to(ids.device, non_blocking=cuda)
-            exp_ids, exp_pos = exp[0], exp[1]
+        exp_ids, exp_pos = self.expected(ids, pending) if check_inputs else (None, None)
         return Batch(torch.arange(1, n + 1, device=cu_q.device), prefix, extend, rtt, input_ids=ids,
                      positions=pos, out_cache_loc=self.layout.to_slots(write), expected_input_ids=exp_ids,
                      expected_positions=exp_pos)
+
+    @staticmethod
+    def expected(ids, pending: Scheduled):
+        """(expected ids, expected positions) int64 on the device of ``ids``, one per token of the
+        step (0 past the noted ones), from the host's notes."""
+        import torch  # on first use, as above
+        t = int(ids.shape[0])
+        # A copy from pageable memory to a CUDA device waits for the stream (the host stalls
+        # behind the previous step's forward): stage in pinned memory and copy asynchronously.
+        # torch's pinned allocator reuses the block only once the copy is done.
+        cuda = ids.device.type == "cuda"
+        exp = torch.zeros((2, t), dtype=torch.int64, pin_memory=cuda)
+        m = min(t, len(pending.ids))
+        exp[0, :m] = torch.tensor(pending.ids[:m], dtype=torch.int64)
+        exp[1, :m] = torch.tensor(pending.positions[:m], dtype=torch.int64)
+        exp = exp.to(ids.device, non_blocking=cuda)
+        return exp[0], exp[1]

@@ -71,7 +71,9 @@ class TransformersCanary:
     ``layers`` picks the layers whose K and V bytes are fingerprinted (None/"first", "all", list).
     ``check_inputs`` compares the model's input tokens and positions with the request state (a
     wrong input token is a WRITE_TOKEN row). ``before_step(info)`` / ``after_step(info)`` are
-    optional callbacks around each forward (observability, fault injection in tests). Other
+    optional callbacks around each forward (observability, fault injection in tests).
+    ``stage_on_device`` (default True): on a CUDA cache each step's Batch is staged in one launch
+    (:class:`~.stage.PagedBatchStager`); False builds it with torch ops, as on the CPU. Other
     keyword arguments go to :class:`KvCanary` (``verify_capacity``, ``ring_capacity``, ...).
     Counters: :attr:`steps`, :attr:`requests` (ids seen), :attr:`detections` (violation records,
     each with the step it happened in), :meth:`summary`. Raises a ``kv-canary:`` error at
@@ -79,7 +81,8 @@ class TransformersCanary:
     """
 
     def __init__(self, model, *, layers=None, hash_mode: str = "partial", mode: str = "log",
-                 check_inputs: bool = True, before_step=None, after_step=None, **kvcanary_kwargs):
+                 check_inputs: bool = True, before_step=None, after_step=None, stage_on_device: bool = True,
+                 **kvcanary_kwargs):
         self.transformers_version = check_transformers_version(_installed_transformers())
         if not callable(getattr(model, "init_continuous_batching", None)):
             fail("TransformersCanary(model)", "a transformers model with init_continuous_batching", model,
@@ -88,12 +91,13 @@ class TransformersCanary:
         choice("mode", mode, MODES)
         check_layers(layers)
         boolean("check_inputs", check_inputs)
+        boolean("stage_on_device", stage_on_device)
         callable_or_none("before_step", before_step)
         callable_or_none("after_step", after_step)
         canary_kwargs(kvcanary_kwargs, "TransformersCanary", ("device", "hash_mode", "mode", "max_batch", "export"))
         self.model, self.layers, self.hash_mode, self.mode = model, layers, hash_mode, mode
         self.check_inputs, self.before_step, self.after_step = check_inputs, before_step, after_step
-        self.kvcanary_kwargs = kvcanary_kwargs
+        self.stage_on_device, self.kvcanary_kwargs = stage_on_device, kvcanary_kwargs
         self.canary: KvCanary | None = None
         self.cache = self.layout = None
         self.steps = 0
@@ -181,7 +185,9 @@ class TransformersCanary:
                                mode=self.mode, max_batch=io.max_requests_per_batch, export=self._record,
                                **self.kvcanary_kwargs)
         self.cache, self.layout = cache, layout
-        self._batches = StepBatches(layout, self.canary.plans["FULL"].max_batch + 1)
+        self._batches = StepBatches(layout, self.canary.plans["FULL"].max_batch + 1,
+                                    device if self.stage_on_device else None,
+                                    int(getattr(cache, "max_batch_tokens", 256)))
         processor._kvcanary = self
         prepare, compute = io.prepare_batch_tensors, processor.model_runner.compute_batch
 

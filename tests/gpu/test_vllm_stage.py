@@ -14,7 +14,7 @@ import pytest
 import kvcanary as kc
 from kvcanary import arrays, memory
 from kvcanary.adapters import vllm_batch
-from kvcanary.adapters.vllm_stage import VllmBatchStager
+from kvcanary.adapters.stage import VllmBatchStager
 
 pytestmark = [pytest.mark.gpu, pytest.mark.emulated]
 
@@ -55,8 +55,9 @@ def device(meta: dict, max_blocks: int) -> dict:
 
 def read(stager: VllmBatchStager, batch) -> dict:
     n, t = batch.req_pool_indices.shape[0], batch.input_ids.shape[0]
-    bufs = dict(req_pool_indices=stager.rows, prefix_lens=stager.prefix, extend_lens=stager.extend,
-                input_ids=stager.ids, positions=stager.pos, out_cache_loc=stager.loc)
+    b = stager.buffers
+    bufs = dict(req_pool_indices=b["rows"], prefix_lens=b["prefix"], extend_lens=b["extend"], input_ids=b["ids"],
+                positions=b["pos"], out_cache_loc=b["loc"])
     got = {k: b.numpy()[:t if k in ("input_ids", "positions", "out_cache_loc") else n] for k, b in bufs.items()}
     got["req_to_token"] = stager.req_to_token.numpy()[:n + 1]
     return got
@@ -119,7 +120,7 @@ def test_bad_arrays_are_refused_with_the_fix(bad, match):
 
 def test_a_step_larger_than_the_stager_or_its_table_is_refused():
     meta, mb = metadata(21, 6)
-    with pytest.raises(kc.ValidationError, match=r"does not fit the stager \(max_reqs=4"):
+    with pytest.raises(kc.ValidationError, match=r"a step of requests=7 \(capacity 4\) does not fit the VllmBatchStager\. Fix: build"):
         VllmBatchStager(max_reqs=4, max_tokens=64, max_len=mb * 4, block_size=4)(**device(meta, mb))
     with pytest.raises(kc.ValidationError, match=r"max_len=25 exceeds what the block table maps \(6 blocks"):
         VllmBatchStager(max_reqs=8, max_tokens=64, max_len=25, block_size=4)(**device(meta, mb))

@@ -1,0 +1,262 @@
+"""An engine's step staged on the device into persistent Batch buffers: one launch per step
+(kernels_src/stage.cu) instead of an adapter's framework ops.
+
+An adapter that builds the canary's :class:`~kvcanary.Batch` with framework ops (slices,
+subtractions, casts, gathers) pays a launch's host time for each and hands the canary new tensors
+every step, which it must key and patch into its launches. A stager does the same in one kernel
+into buffers it owns, and hands back the same Batch object for every step of one shape, so the
+canary's launches replay without keying its arrays and a captured CUDA graph keeps every address.
+
+- :class:`VllmBatchStager`: vLLM attention metadata, the values of :func:`~.vllm.vllm_batch`;
+- :class:`PagedBatchStager`: cumulative query / key lengths and physical cache indices (transformers
+  continuous batching), the values of :class:`~.transformers_batch.StepBatches`' torch path.
+
+Per call the engine's arrays are keyed (layout and address, as the canary keys a Batch), validated
+once per layout (int32 or int64 integer arrays on the stager's device, contiguous, with extents
+that cover what the kernel reads) and the packed launch replayed with their addresses on the
+caller's stream (explicit, else the framework's current stream). Nothing is read back to the
+host. Values are not checked: a wrong length or index becomes a wrong slot in the Batch, which the
+canary bound-checks and reports.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from .. import abi, driver, memory, streams
+from ..arrays import ArrayView, as_view
+from ..errors import ValidationError, ValidationTypeError
+from ..launch import Launch
+from ..packing import PackCache, arg_keys
+from ..plan import Batch
+from ..sources import resolved
+from ..validate import integer
+
+LAYOUTS_KEPT = 64  # packed launches and Batches kept (one per metadata layout: batch sizes vary per step)
+_INT = ("int32", "int64")
+
+
+class _Stager:
+    """The keying, packing and replay of one staging kernel into int64 buffers it owns."""
+
+    KERNEL = ""
+    INPUTS: tuple[str, ...] = ()
+    SCALARS: tuple[str, ...] = ()
+
+    def __init__(self, device: int, sizes: dict):
+        self.device = integer("device", device, lo=0, fix="pass a CUDA device ordinal")
+        self.rt = driver.runtime(self.device)
+        self.buffers = {name: memory.zeros((n,), np.int64, self.device) for name, n in sizes.items()}
+        self.packed = PackCache(LAYOUTS_KEPT)
+        self.batches: OrderedDict = OrderedDict()  # the shape of a step -> its Batch of views
+        self.launches = 0
+
+    def _stage(self, arrays, scalars, stream, expected_input_ids=None, expected_positions=None) -> Batch:
+        objs = (*arrays, *scalars)
+        key, ptrs, _ = arg_keys(objs)
+        with self.packed.lock:  # a replay patches the shared params: patch and launch under it
+            entry = None if key is None else self.packed.get(key, ptrs)
+            if entry is None:
+                launch, shape = self._pack(arrays, *scalars)
+                if key is not None:  # else not keyable: validated and packed every call
+                    self.packed.put(key, [launch], objs, ptrs, (*self.INPUTS, *self.SCALARS), extra=shape)
+            else:
+                launch, shape = entry.launches[0], entry.extra
+            s = streams.stream_handle(stream) if stream is not None else streams.framework_stream(arrays, self.device)
+            launch.go(driver.PER_THREAD_STREAM if s is None else s)
+            self.launches += 1
+        batch = self.batches.get(shape)
+        if batch is None:
+            batch = self.batches[shape] = self._batch(*shape)
+            while len(self.batches) > LAYOUTS_KEPT:
+                self.batches.popitem(last=False)
+        if expected_input_ids is None and expected_positions is None:
+            return batch
+        return Batch(**{**batch.__dict__, "expected_input_ids": expected_input_ids,
+                        "expected_positions": expected_positions})
+
+    def _view(self, name: str, n: int) -> ArrayView:
+        buf = self.buffers[name]
+        return ArrayView(buf.ptr, (n,), (8,), buf.dtype, buf.dtype.name, self.device, False, buf)
+
+    def _inputs(self, arrays, ndims) -> tuple[list[ArrayView], int]:
+        """The validated views of the engine's arrays and the kernel's int64 bit mask."""
+        views, wide = [], 0
+        for i, (a, name, want) in enumerate(zip(arrays, self.INPUTS, ndims)):
+            v = resolved(as_view(a, name=name))
+            if v.dtype.kind not in "iu" or v.dtype_name not in _INT:
+                raise ValidationTypeError(f"kv-canary: {name} must be int32 or int64, got {v.dtype_name}. Fix: pass "
+                                          f"the engine's own {name}")
+            if v.ndim != want or (v.numel and v.strides[-1] != v.itemsize):
+                raise ValidationError(f"kv-canary: {name} must be a {want}-D array with contiguous "
+                                      f"{'rows' if want == 2 else 'elements'}, got shape {v.shape}, strides "
+                                      f"{v.strides}. Fix: pass the engine's {name} (or .contiguous())")
+            if v.device != self.device:
+                raise ValidationError(f"kv-canary: {name} must live on cuda:{self.device} (the stager's device), "
+                                      f"got {v.describe()}. Fix: build the stager with device={v.device}")
+            views.append(v)
+            wide |= int(v.itemsize == 8) << i
+        return views, wide
+
+    def _launch(self, params, work: int) -> Launch:
+        grid = max(1, min(self.rt.resident_blocks(self.KERNEL, abi.BLOCK_THREADS), -(-work // abi.BLOCK_THREADS)))
+        return Launch(self.rt, self.KERNEL, grid, abi.BLOCK_THREADS, params, driver.PER_THREAD_STREAM,
+                      tuple(self.buffers.values()))
+
+    def _fits(self, what: dict, fix: str) -> None:
+        over = {k: (n, self.buffers[b].shape[0]) for k, (n, b) in what.items() if n > self.buffers[b].shape[0]}
+        if over:
+            got = ", ".join(f"{k}={n} (capacity {cap})" for k, (n, cap) in over.items())
+            raise ValidationError(f"kv-canary: a step of {got} does not fit the {type(self).__name__}. Fix: {fix}")
+
+    def _batch(self, *shape) -> Batch:
+        raise NotImplementedError
+
+    def _pack(self, arrays, *scalars):
+        raise NotImplementedError
+
+
+class VllmBatchStager(_Stager):
+    """Persistent device buffers of the Batch of one vLLM KV cache group, filled by one launch per
+    step from that step's attention metadata (module docstring). ``max_reqs`` / ``max_tokens``
+    bound a step's requests and new tokens, ``max_len`` is the width of ``req_to_token`` (each
+    request's length must fit; at most the block table's ``max_blocks * block_size``),
+    ``block_size`` the cache's tokens per block; the buffers live on ``device``. ``launches``
+    counts the staging launches made."""
+
+    KERNEL = "kvc_stage_vllm"
+    INPUTS = ("block_table", "seq_lens", "query_start_loc", "slot_mapping", "input_ids", "positions")
+    SCALARS = ("num_reqs", "num_tokens")
+
+    def __init__(self, *, max_reqs: int, max_tokens: int, max_len: int, block_size: int, device: int = 0):
+        self.max_reqs = integer("max_reqs", max_reqs, lo=1, fix="pass the most requests a step schedules")
+        self.max_tokens = integer("max_tokens", max_tokens, lo=1, fix="pass the most tokens a step schedules")
+        self.max_len = integer("max_len", max_len, lo=1, fix="pass the longest request length (max_model_len)")
+        self.block_size = integer("block_size", block_size, lo=1, fix="pass the cache's tokens per block, e.g. 16")
+        super().__init__(device, {"rows": self.max_reqs, "prefix": self.max_reqs, "extend": self.max_reqs,
+                                  "ids": self.max_tokens, "pos": self.max_tokens, "loc": self.max_tokens})
+        self.req_to_token = memory.zeros((self.max_reqs + 1, self.max_len), np.int32, self.device)
+
+    def __call__(self, *, block_table, seq_lens, query_start_loc, slot_mapping, input_ids, positions,
+                 num_reqs: int | None = None, num_tokens: int | None = None, expected_input_ids=None,
+                 expected_positions=None, stream=None) -> Batch:
+        """The step's Batch (views of the stager's buffers), staged on ``stream``. Arguments as
+        :func:`~.vllm.vllm_batch`'s: ``num_reqs`` / ``num_tokens`` trim padded metadata (default:
+        the rows of the block table and query starts, the tokens of the three token arrays)."""
+        return self._stage((block_table, seq_lens, query_start_loc, slot_mapping, input_ids, positions),
+                           (num_reqs, num_tokens), stream, expected_input_ids, expected_positions)
+
+    def _batch(self, n: int, t: int) -> Batch:
+        v, rtt = self._view, self.req_to_token
+        table = ArrayView(rtt.ptr, (n + 1, self.max_len), (4 * self.max_len, 4), rtt.dtype, "int32", self.device,
+                          False, rtt)
+        return Batch(v("rows", n), v("prefix", n), v("extend", n), table, input_ids=v("ids", t),
+                     positions=v("pos", t), out_cache_loc=v("loc", t))
+
+    def _pack(self, arrays, num_reqs, num_tokens):
+        """The validated launch of one metadata layout, and the step's (requests, tokens)."""
+        views, wide = self._inputs(arrays, (2, 1, 1, 1, 1, 1))
+        bt, seq, qsl, *tok = views
+        if qsl.shape[0] < 1:
+            raise ValidationError("kv-canary: query_start_loc must hold num_reqs + 1 offsets (at least the leading 0), "
+                                  "got an empty array. Fix: pass the metadata's query_start_loc")
+        rows = min(bt.shape[0], seq.shape[0], qsl.shape[0] - 1)
+        n = rows if num_reqs is None else integer("num_reqs", num_reqs, lo=0, hi=max(rows, 0),
+                                                  fix=f"pass at most the {rows} requests the metadata holds")
+        have = min(x.shape[0] for x in tok)
+        t = have if num_tokens is None else integer("num_tokens", num_tokens, lo=0, hi=have,
+                                                    fix=f"pass at most the {have} tokens given")
+        self._fits({"requests": (n, "rows"), "tokens": (t, "ids")},
+                   "build the VllmBatchStager with the scheduler's max_num_seqs and max_num_batched_tokens")
+        if self.max_len > bt.shape[1] * self.block_size:
+            raise ValidationError(f"kv-canary: the stager's max_len={self.max_len} exceeds what the block table maps "
+                                  f"({bt.shape[1]} blocks x block_size {self.block_size}). Fix: build the stager with "
+                                  f"max_len <= {bt.shape[1] * self.block_size}, or pass the full block table")
+        b = {k: buf.ptr for k, buf in self.buffers.items()}
+        p = abi.StageVllmParams(
+            block_table=bt.ptr, seq_lens=seq.ptr, query_start_loc=qsl.ptr, slot_mapping=tok[0].ptr,
+            input_ids=tok[1].ptr, positions=tok[2].ptr, rows=b["rows"], prefix_lens=b["prefix"],
+            extend_lens=b["extend"], req_to_token=self.req_to_token.ptr, out_input_ids=b["ids"],
+            out_positions=b["pos"], out_cache_loc=b["loc"], block_table_stride=bt.strides[0] // bt.itemsize,
+            num_reqs=n, num_tokens=t, block_size=self.block_size, max_len=self.max_len, wide=wide)
+        launch = self._launch(p, max(n + 1, t, (n + 1) * self.max_len))
+        launch.keep = (launch.keep, self.req_to_token)
+        return launch, (n, t)
+
+
+class PagedBatchStager(_Stager):
+    """Persistent device buffers of the Batch of a paged engine whose step is given as cumulative
+    query / key lengths (``cu_q``, ``cu_k``: ``[n + 1]``), the physical cache indices each request
+    reads (``read_index``, request by request) and writes (``write_index``), and the tokens' ids
+    and positions (transformers continuous batching; module docstring). ``layout`` maps physical
+    indices to canary slots (``stride``, ``page_size``, ``num_slots``, as
+    :class:`~.transformers_layout.PagedLayout`). The int32 ``req_to_token`` map (``max_reqs + 1``
+    rows, 256 columns or the first step's ``max_len``) grows, doubling, when a step's longest
+    request needs more columns (the host says how long: ``max_len``), and so do the token buffers past ``max_tokens`` / ``max_writes``; a step
+    rewrites the map entries its requests read. A step of more than ``max_reqs`` requests is refused.""" 
+
+    KERNEL = "kvc_stage_paged"
+    INPUTS = ("cu_seq_lens_q", "cu_seq_lens_k", "read_index", "write_index", "input_ids", "position_ids")
+
+    def __init__(self, layout, *, max_reqs: int, max_tokens: int, max_writes: int, device: int = 0):
+        self.layout = layout
+        max_reqs = integer("max_reqs", max_reqs, lo=1, fix="pass the most requests a step schedules")
+        max_tokens = integer("max_tokens", max_tokens, lo=1, fix="pass the most tokens a step schedules")
+        max_writes = integer("max_writes", max_writes, lo=1, fix="pass the most tokens a step writes")
+        super().__init__(device, {"rows": max_reqs, "prefix": max_reqs, "extend": max_reqs, "ids": max_tokens,
+                                  "pos": max_tokens, "loc": max_writes})
+        self.rows, self.req_to_token = max_reqs + 1, None  # the map: allocated by the first step
+
+    def __call__(self, *, cu_q, cu_k, read_index, write_index, input_ids, positions, max_len: int,
+                 expected_input_ids=None, expected_positions=None, stream=None) -> Batch:
+        """The step's Batch, staged on ``stream``; ``max_len``: the step's longest request (cached +
+        new tokens), which the map's columns must hold."""
+        cols, b = 0 if self.req_to_token is None else self.req_to_token.shape[1], self.buffers
+        tokens, writes = int(input_ids.shape[0]), int(write_index.shape[0])
+        if max_len > cols or tokens > b["ids"].shape[0] or writes > b["loc"].shape[0]:
+            self._grow(max_len, tokens, writes)
+        return self._stage((cu_q, cu_k, read_index, write_index, input_ids, positions), (), stream,
+                           expected_input_ids, expected_positions)
+
+    def _grow(self, max_len: int, tokens: int, writes: int) -> None:
+        """Larger buffers (doubling) for a step that needs them; the packed launches and Batches
+        name the old ones, so they go too."""
+        z, b = memory.zeros, self.buffers
+        cols = 0 if self.req_to_token is None else self.req_to_token.shape[1]
+        if max_len > cols or self.req_to_token is None:  # as StepBatches.req_to_token grows its map
+            self.req_to_token = z((self.rows, max(max_len, 2 * cols, 256)), np.int32, self.device)
+        for names, n in ((("ids", "pos"), tokens), (("loc",), writes)):
+            if n > b[names[0]].shape[0]:
+                for name in names:
+                    b[name] = z((max(n, 2 * b[name].shape[0]),), np.int64, self.device)
+        self.packed, self.batches = PackCache(LAYOUTS_KEPT), OrderedDict()
+
+    def _batch(self, n: int, t: int, w: int) -> Batch:
+        v, rtt = self._view, self.req_to_token
+        rows, cols = rtt.shape
+        table = ArrayView(rtt.ptr, (rows, cols), (4 * cols, 4), rtt.dtype, "int32", self.device, False, rtt)
+        return Batch(v("rows", n), v("prefix", n), v("extend", n), table, input_ids=v("ids", t), positions=v("pos", t),
+                     out_cache_loc=v("loc", w))
+
+    def _pack(self, arrays):
+        views, wide = self._inputs(arrays, (1, 1, 1, 1, 1, 1))
+        cu_q, cu_k, read, write, ids, pos = views
+        n, rtt = cu_q.shape[0] - 1, self.req_to_token
+        if n < 0 or cu_k.shape[0] != n + 1:
+            raise ValidationError(f"kv-canary: cu_seq_lens_q and cu_seq_lens_k must hold num_reqs + 1 offsets each, "
+                                  f"got {cu_q.shape[0]} and {cu_k.shape[0]}. Fix: pass the step's model inputs")
+        t = min(ids.shape[0], pos.shape[0])
+        self._fits({"requests": (n, "rows"), "tokens": (t, "ids"), "writes": (write.shape[0], "loc")},
+                   "build the stager with the engine's max requests and tokens per batch")
+        b, lay = {k: buf.ptr for k, buf in self.buffers.items()}, self.layout
+        p = abi.StagePagedParams(
+            cu_q=cu_q.ptr, cu_k=cu_k.ptr, read_index=read.ptr, write_index=write.ptr, input_ids=ids.ptr,
+            positions=pos.ptr, rows=b["rows"], prefix_lens=b["prefix"], extend_lens=b["extend"],
+            req_to_token=rtt.ptr, out_input_ids=b["ids"], out_positions=b["pos"], out_cache_loc=b["loc"],
+            rtt_cols=rtt.shape[1], num_reqs=n, num_read=read.shape[0], num_write=write.shape[0], num_tokens=t,
+            block_stride=lay.stride, page_size=lay.page_size, num_slots=lay.num_slots, wide=wide)
+        launch = self._launch(p, max(n, t, write.shape[0], read.shape[0]))
+        launch.keep = (launch.keep, rtt)
+        return launch, (n, t, write.shape[0])

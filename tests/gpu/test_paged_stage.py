@@ -1,0 +1,124 @@
+"""GPU tier (and the CPU emulator): PagedBatchStager stages a transformers continuous-batching step
+(cumulative query / key lengths, physical read and write indices, ids, positions) in one launch
+with exactly the values of StepBatches' torch path on CPU tensors (the reference: torch ops
+written from the adapter's contract, not the kernel), on seeded random steps with int32 and int64
+inputs and physical indices that name no token (negative, past the page, past the cache); the map
+grows when a request outgrows it; a step of the same shape returns the same Batch object; a step
+of more requests than the canary's batch is refused."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import kvcanary as kc
+from kvcanary import memory
+from kvcanary.adapters.stage import PagedBatchStager
+from kvcanary.adapters.transformers_batch import Scheduled, StepBatches
+from kvcanary.adapters.transformers_layout import PagedLayout
+
+pytestmark = [pytest.mark.gpu, pytest.mark.emulated]
+torch = pytest.importorskip("torch")
+
+PAGE, LAYERS, BLOCKS = 4, 2, 200
+LAYOUT = SimpleNamespace(page_size=PAGE, stride=2 * PAGE * LAYERS, num_slots=BLOCKS * PAGE)
+LAYOUT.to_slots = lambda index: PagedLayout.to_slots(LAYOUT, index)
+FIELDS = ("req_pool_indices", "prefix_lens", "extend_lens", "req_to_token", "input_ids", "positions",
+          "out_cache_loc")
+
+
+def step_data(seed: int, n: int, *, longest: int = 40, hostile: bool = False):
+    """(model inputs as numpy, the host's notes) of one step of n requests."""
+    rng = np.random.default_rng(seed)
+    past = rng.integers(0, longest, n)
+    query = rng.integers(1, 6, n)
+    lens = past + query
+    phys = []
+    for L in lens:  # a request's tokens: page offsets of random blocks
+        blocks = rng.choice(BLOCKS, -(-int(L) // PAGE), replace=False)
+        pos = np.arange(L)
+        phys.append(blocks[pos // PAGE] * LAYOUT.stride + pos % PAGE)
+    read = np.concatenate(phys)
+    write = np.concatenate([p[-q:] for p, q in zip(phys, query)])
+    if hostile:
+        for arr in (read, write):
+            bad = rng.random(arr.shape) < 0.15
+            arr[bad] = rng.choice([-5, PAGE + 1, BLOCKS * LAYOUT.stride + 3, 2**35])
+    wide = rng.integers(0, 2, 6).astype(bool)
+    dt = [np.int64 if w else np.int32 for w in wide]
+    t = int(query.sum())
+    data = dict(cu_seq_lens_q=np.concatenate([[0], np.cumsum(query)]).astype(dt[0]),
+                cu_seq_lens_k=np.concatenate([[0], np.cumsum(lens)]).astype(dt[1]),
+                read_index=[read.astype(dt[2])], write_index=[write.astype(dt[3])],
+                input_ids=rng.integers(0, 1 << 20, (1, t)).astype(dt[4]),
+                position_ids=np.concatenate([np.arange(p, p + q) for p, q in zip(past, query)])[None].astype(dt[5]))
+    return data, Scheduled(max_len=int(lens.max()))
+
+
+def as_torch(data):
+    return {k: ([torch.from_numpy(x[0])] if isinstance(x, list) else torch.from_numpy(x)) for k, x in data.items()}
+
+
+def as_device(data):
+    out = {}
+    for k, x in data.items():
+        if isinstance(x, list):
+            out[k] = [memory.to_device(x[0])]
+        elif x.ndim == 2:  # [1, T]: the stager takes row 0, a view
+            out[k] = [memory.to_device(x[0])]
+        else:
+            out[k] = memory.to_device(x)
+    return out
+
+
+def staged(stager, dev, pending):
+    return stager(cu_q=dev["cu_seq_lens_q"], cu_k=dev["cu_seq_lens_k"], read_index=dev["read_index"][0],
+                  write_index=dev["write_index"][0], input_ids=dev["input_ids"][0], positions=dev["position_ids"][0],
+                  max_len=pending.max_len)
+
+
+def read(stager, batch) -> dict:
+    b = stager.buffers
+    n, t, w = batch.req_pool_indices.shape[0], batch.input_ids.shape[0], batch.out_cache_loc.shape[0]
+    return dict(req_pool_indices=b["rows"].numpy()[:n], prefix_lens=b["prefix"].numpy()[:n],
+                extend_lens=b["extend"].numpy()[:n], input_ids=b["ids"].numpy()[:t], positions=b["pos"].numpy()[:t],
+                out_cache_loc=b["loc"].numpy()[:w], req_to_token=stager.req_to_token.numpy())
+
+
+@pytest.mark.parametrize("seed,n,longest,hostile", [(0, 1, 10, False), (1, 6, 40, False), (2, 6, 40, True),
+                                                    (3, 15, 300, False), (4, 15, 300, True)])
+def test_staged_step_equals_the_torch_path(seed, n, longest, hostile):
+    data, pending = step_data(seed, n, longest=longest, hostile=hostile)
+    reference = StepBatches(LAYOUT, 16).batch(as_torch(data), pending, check_inputs=False)
+    stager = PagedBatchStager(LAYOUT, max_reqs=15, max_tokens=8, max_writes=8)  # grows for the larger steps
+    batch = staged(stager, as_device(data), pending)
+    got = read(stager, batch)
+    for k in FIELDS:
+        want = getattr(reference, k).numpy()
+        np.testing.assert_array_equal(got[k], want.astype(got[k].dtype), err_msg=k)
+        assert tuple(getattr(batch, k).shape) == want.shape, k
+    assert stager.launches == 1
+
+
+def test_a_step_of_the_same_shape_returns_the_same_batch_and_a_longer_one_grows_the_map():
+    data, pending = step_data(10, 4)
+    stager = PagedBatchStager(LAYOUT, max_reqs=4, max_tokens=64, max_writes=64)
+    first = staged(stager, as_device(data), pending)
+    again = staged(stager, as_device(data), pending)  # new arrays, same layout
+    assert again is first and len(stager.packed) == 1
+    long_data, long_pending = step_data(11, 4, longest=600)
+    grown = staged(stager, as_device(long_data), long_pending)
+    assert stager.req_to_token.shape[1] >= long_pending.max_len and grown.req_to_token.shape == stager.req_to_token.shape
+    reference = StepBatches(LAYOUT, 5).batch(as_torch(long_data), long_pending, check_inputs=False)
+    np.testing.assert_array_equal(stager.req_to_token.numpy()[:, :reference.req_to_token.shape[1]],
+                                  reference.req_to_token.numpy())
+
+
+def test_a_step_of_more_requests_than_the_batch_is_refused():
+    data, pending = step_data(20, 6)
+    stager = PagedBatchStager(LAYOUT, max_reqs=4, max_tokens=64, max_writes=64)
+    with pytest.raises(kc.ValidationError, match=r"a step of requests=6 \(capacity 4\) does not fit the PagedBatchStager"):
+        staged(stager, as_device(data), pending)
+    assert stager.launches == 0
