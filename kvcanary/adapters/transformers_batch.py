@@ -47,6 +47,7 @@ class StepBatches:
         self.layout, self.rows, self.rtt = layout, rows, None
         self.stager = None if device is None else PagedBatchStager(layout, max_reqs=rows - 1, max_tokens=tokens,
                                                                    max_writes=tokens, device=device)
+        self.torch_batches: dict = {}  # id(staged Batch) -> (it, its torch twin)
 
     def req_to_token(self, length: int, like):
         """The persistent int32 [rows, >= length] map, grown (doubling) on the host's say-so only."""
@@ -65,10 +66,13 @@ class StepBatches:
             cu_k = cu_k["full_attention"]
         if self.stager is not None:
             ids = data["input_ids"][0]
-            exp_ids, exp_pos = self.expected(ids, pending) if check_inputs else (None, None)
-            return self.stager(cu_q=cu_q, cu_k=cu_k, read_index=data["read_index"][0], write_index=data["write_index"][0],
-                               input_ids=ids, positions=data["position_ids"][0], max_len=pending.max_len,
-                               expected_input_ids=exp_ids, expected_positions=exp_pos)
+            staged = self.as_torch(self.stager(cu_q=cu_q, cu_k=cu_k, read_index=data["read_index"][0],
+                                               write_index=data["write_index"][0], input_ids=ids,
+                                               positions=data["position_ids"][0], max_len=pending.max_len))
+            if not check_inputs:
+                return staged
+            exp_ids, exp_pos = self.expected(ids, pending)
+            return Batch(**{**staged.__dict__, "expected_input_ids": exp_ids, "expected_positions": exp_pos})
         cu_q, cu_k = cu_q.to(torch.int64), cu_k.to(torch.int64)
         n = int(cu_q.shape[0]) - 1
         extend = cu_q[1:] - cu_q[:-1]
@@ -86,6 +90,21 @@ class StepBatches:
         return Batch(torch.arange(1, n + 1, device=cu_q.device), prefix, extend, rtt, input_ids=ids,
                      positions=pos, out_cache_loc=self.layout.to_slots(write), expected_input_ids=exp_ids,
                      expected_positions=exp_pos)
+
+    def as_torch(self, batch: Batch) -> Batch:
+        """The staged Batch with torch tensors over the stager's buffers (zero-copy, one per shape:
+        callbacks see ``info.batch`` as torch tensors, as from the torch path)."""
+        import torch  # on first use, as above
+        kept = self.torch_batches.get(id(batch))
+        if kept is None or kept[0] is not batch:
+            if len(self.torch_batches) >= 64:
+                self.torch_batches.clear()
+            def twin(v):  # a view's owner is the stager's DeviceArray; the view is its leading elements
+                return v if v is None else torch.as_tensor(v.owner, device=f"cuda:{v.device}")[
+                    tuple(slice(0, n) for n in v.shape)]
+            fields = {k: twin(v) for k, v in batch.__dict__.items()}
+            kept = self.torch_batches[id(batch)] = (batch, Batch(**fields))
+        return kept[1]
 
     @staticmethod
     def expected(ids, pending: Scheduled):
