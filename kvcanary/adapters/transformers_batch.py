@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..arrays import ArrayView
 from ..plan import Batch
 from .stage import PagedBatchStager
 
@@ -100,8 +101,9 @@ class StepBatches:
             if len(self.torch_batches) >= 64:
                 self.torch_batches.clear()
             def twin(v):  # a view's owner is the stager's DeviceArray; the view is its leading elements
-                return v if v is None else torch.as_tensor(v.owner, device=f"cuda:{v.device}")[
-                    tuple(slice(0, n) for n in v.shape)]
+                if not isinstance(v, ArrayView):
+                    return v
+                return torch.from_dlpack(v.owner)[tuple(slice(0, n) for n in v.shape)]
             fields = {k: twin(v) for k, v in batch.__dict__.items()}
             kept = self.torch_batches[id(batch)] = (batch, Batch(**fields))
         return kept[1]

@@ -8,6 +8,7 @@ of more requests than the canary's batch is refused."""
 
 from __future__ import annotations
 
+import ctypes
 from types import SimpleNamespace
 
 import numpy as np
@@ -122,3 +123,26 @@ def test_a_step_of_more_requests_than_the_batch_is_refused():
     with pytest.raises(kc.ValidationError, match=r"a step of requests=6 \(capacity 4\) does not fit the PagedBatchStager"):
         staged(stager, as_device(data), pending)
     assert stager.launches == 0
+
+
+def test_step_batches_stage_on_the_device_and_hand_over_torch_tensors(emulated_device, monkeypatch):
+    """StepBatches with a device stages the step (one launch) and returns torch tensors over the
+    stager's buffers, so callbacks read ``info.batch`` as they do from the torch path; the
+    same shape gives the same tensors. (Emulated: device memory is host memory, viewed by CPU torch.)"""
+    if emulated_device is not None:
+        def host_view(a):
+            raw = (ctypes.c_char * (a.dtype.itemsize * int(np.prod(a.shape)))).from_address(a.ptr)
+            return torch.from_numpy(np.frombuffer(raw, dtype=a.dtype).reshape(a.shape))
+        monkeypatch.setattr(torch, "from_dlpack", host_view)
+    data, pending = step_data(30, 5, hostile=True)
+    sb = StepBatches(LAYOUT, 8, device=0, tokens=8)
+    got = sb.batch(as_device(data), pending, check_inputs=False)
+    want = StepBatches(LAYOUT, 8).batch(as_torch(data), pending, check_inputs=False)
+    assert sb.stager.launches == 1
+    for k in FIELDS:
+        t = getattr(got, k)
+        assert isinstance(t, torch.Tensor), k
+        np.testing.assert_array_equal(t.cpu().numpy(), getattr(want, k).numpy().astype(t.cpu().numpy().dtype),
+                                      err_msg=k)
+    again = sb.batch(as_device(data), pending, check_inputs=False)
+    assert again is got and sb.stager.launches == 2

@@ -1,7 +1,8 @@
 """GPU tier of the transformers client: the scenarios of tests/test_transformers_cpu.py (clean
 generation with the same tokens as without the canary, the same schedule and tokens under a small
 block pool, a flipped KV byte, a corrupted read index and a wrong input token, each reported in the
-step it is read) with a bf16 Llama on CUDA, where the canary runs the kernels on the compute stream.
+step it is read) with a bf16 Llama on CUDA, where the canary runs the kernels on the compute stream;
+each with the step's Batch built by torch ops and staged in one launch (stage_on_device=True).
 """
 
 from __future__ import annotations
@@ -19,11 +20,23 @@ try:  # a machine with a transformers outside the supported range skips (the ran
 except ValidationError as exc:
     pytest.skip(str(exc).splitlines()[0], allow_module_level=True)
 
+from kvcanary.adapters import TransformersCanary  # noqa: E402
+from tests import test_transformers_cpu  # noqa: E402
 from tests.test_transformers_cpu import SCENARIOS  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 
+class StagedCanary(TransformersCanary):
+    """The client with each step staged in one launch (PagedBatchStager)."""
+
+    def __init__(self, model, **kwargs):
+        super().__init__(model, stage_on_device=True, **kwargs)
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["torch-ops", "staged"])
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__)
-def test_transformers_cuda(scenario):
+def test_transformers_cuda(scenario, staged, monkeypatch):
+    if staged:
+        monkeypatch.setattr(test_transformers_cpu, "TransformersCanary", StagedCanary)
     scenario("cuda")
