@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import abi, driver, memory, streams
-from .arrays import from_pointer
+from .arrays import ArrayView, from_pointer
 from .launch import Launch
 from .pump import Pump
 from .records import host_slots
@@ -129,7 +129,10 @@ class CudaBackend:
     def stream(self, stream, batch) -> int:
         if type(stream) is int:
             return stream
-        return streams.resolve(stream, (batch.req_pool_indices,) if batch is not None else (), (), self.device)
+        first = None if batch is None else batch.req_pool_indices
+        # a kvcanary view names the stream it was produced on (a stager's, a CAI v3 producer's)
+        return streams.resolve(stream, () if first is None else (first,),
+                               (first,) if type(first) is ArrayView else (), self.device)
 
     def capturing(self, stream: int) -> bool:
         return self.rt.capturing(stream)

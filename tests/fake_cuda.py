@@ -28,6 +28,7 @@ class FakeDriver:
         self.launched: list[str] = []                        # kernel names, in launch order
         self.shapes: list[tuple[str, int, int]] = []         # (kernel, grid, block) per launch
         self.pdl: list[bool] = []                            # per cuLaunchKernelEx: PDL allowed
+        self.streams: list[int] = []                         # the stream handle of each launch
         self.capturing: set[int] = set()                     # streams reported as capturing
         self.invalidated: set[int] = set()                   # captures a capture-unsafe call broke
         self.unsafe_calls: list[str] = []                    # those calls, in order
@@ -224,6 +225,7 @@ class FakeDriver:
         size = ctypes.sizeof(abi.CTYPES[abi.KERNELS[fn]])
         struct_at = ctypes.c_void_p.from_address(int(params)).value
         self.launched.append(fn)
+        self.streams.append(int(stream))
         self.shapes.append((fn, gx, bx))
         if int(stream) not in self.capturing:  # a captured launch runs only on replay
             self.pending[int(stream)].append((fn, gx, gy, bx, ctypes.string_at(struct_at, size)))

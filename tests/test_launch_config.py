@@ -135,3 +135,25 @@ def test_many_source_verifies_launch_plain_and_the_rest_with_pdl(fake):
     assert "kvc_fused_verify_many_pair" in asked and asked.pop("kvc_fused_verify_many_pair") is False
     assert set(launch.PLAIN_KERNELS) <= set(abi.KERNELS)
     assert asked and all(asked.values()), asked
+
+
+def test_a_canary_step_given_no_stream_runs_on_the_stream_its_batch_was_staged_on(fake):
+    """A VllmBatchStager's Batch names the stream it was staged on; a canary step given no stream
+    launches there, after the staging (on another stream it could read the buffers before they are
+    written)."""
+    from kvcanary import memory
+    from kvcanary.adapters import VllmBatchStager
+    D = memory.to_device
+    stager = VllmBatchStager(max_reqs=2, max_tokens=2, max_len=8, block_size=4)
+    canary = manager.KvCanary(manager.PoolGroup(64, halves=("K",)), device=0, hash_mode="none", max_batch=2,
+                              verify_capacity=64)
+    meta = dict(block_table=D(np.array([[1, 2], [3, 4]], np.int32)), seq_lens=D(np.array([3, 2], np.int32)),
+                query_start_loc=D(np.array([0, 1, 2], np.int32)), slot_mapping=D(np.array([6, 13], np.int64)),
+                input_ids=D(np.array([5, 6], np.int32)), positions=D(np.array([2, 1], np.int64)))
+    for s in (stream(fake), stream(fake)):
+        n0 = len(fake.streams)
+        batch = stager(**meta, stream=s)
+        canary.before_forward(batch)
+        canary.after_forward(batch)
+        assert fake.launched[n0] == "kvc_stage_vllm" and set(fake.streams[n0:]) == {s}, fake.streams[n0:]
+    fake.run()

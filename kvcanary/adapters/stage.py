@@ -6,6 +6,8 @@ subtractions, casts, gathers) pays a launch's host time for each and hands the c
 every step, which it must key and patch into its launches. A stager does the same in one kernel
 into buffers it owns, and hands back the same Batch object for every step of one shape, so the
 canary's launches replay without keying its arrays and a captured CUDA graph keeps every address.
+The Batch's views name the stream the step was staged on, so a canary step given no stream of its
+own runs there, after the staging.
 
 - :class:`VllmBatchStager`: vLLM attention metadata, the values of :func:`~.vllm.vllm_batch`;
 - :class:`PagedBatchStager`: cumulative query / key lengths and physical cache indices (transformers
@@ -65,11 +67,12 @@ class _Stager:
             else:
                 launch, shape = entry.launches[0], entry.extra
             s = streams.stream_handle(stream) if stream is not None else streams.framework_stream(arrays, self.device)
-            launch.go(driver.PER_THREAD_STREAM if s is None else s)
+            s = driver.PER_THREAD_STREAM if s is None else s
+            launch.go(s)
             self.launches += 1
-        batch = self.batches.get(shape)
-        if batch is None:
-            batch = self.batches[shape] = self._batch(*shape)
+        batch = self.batches.get((shape, s))
+        if batch is None:  # its views name the stream: a canary step given no stream runs there too
+            batch = self.batches[(shape, s)] = self._batch(s, *shape)
             while len(self.batches) > LAYOUTS_KEPT:
                 self.batches.popitem(last=False)
         if expected_input_ids is None and expected_positions is None:
@@ -77,9 +80,9 @@ class _Stager:
         return Batch(**{**batch.__dict__, "expected_input_ids": expected_input_ids,
                         "expected_positions": expected_positions})
 
-    def _view(self, name: str, n: int) -> ArrayView:
+    def _view(self, name: str, n: int, stream: int) -> ArrayView:
         buf = self.buffers[name]
-        return ArrayView(buf.ptr, (n,), (8,), buf.dtype, buf.dtype.name, self.device, False, buf)
+        return ArrayView(buf.ptr, (n,), (8,), buf.dtype, buf.dtype.name, self.device, False, buf, stream)
 
     def _inputs(self, arrays, ndims) -> tuple[list[ArrayView], int]:
         """The validated views of the engine's arrays and the kernel's int64 bit mask."""
@@ -111,7 +114,7 @@ class _Stager:
             got = ", ".join(f"{k}={n} (capacity {cap})" for k, (n, cap) in over.items())
             raise ValidationError(f"kv-canary: a step of {got} does not fit the {type(self).__name__}. Fix: {fix}")
 
-    def _batch(self, *shape) -> Batch:
+    def _batch(self, stream: int, *shape) -> Batch:
         raise NotImplementedError
 
     def _pack(self, arrays, *scalars):
@@ -148,12 +151,12 @@ class VllmBatchStager(_Stager):
         return self._stage((block_table, seq_lens, query_start_loc, slot_mapping, input_ids, positions),
                            (num_reqs, num_tokens), stream, expected_input_ids, expected_positions)
 
-    def _batch(self, n: int, t: int) -> Batch:
+    def _batch(self, s: int, n: int, t: int) -> Batch:
         v, rtt = self._view, self.req_to_token
         table = ArrayView(rtt.ptr, (n + 1, self.max_len), (4 * self.max_len, 4), rtt.dtype, "int32", self.device,
-                          False, rtt)
-        return Batch(v("rows", n), v("prefix", n), v("extend", n), table, input_ids=v("ids", t),
-                     positions=v("pos", t), out_cache_loc=v("loc", t))
+                          False, rtt, s)
+        return Batch(v("rows", n, s), v("prefix", n, s), v("extend", n, s), table, input_ids=v("ids", t, s),
+                     positions=v("pos", t, s), out_cache_loc=v("loc", t, s))
 
     def _pack(self, arrays, num_reqs, num_tokens):
         """The validated launch of one metadata layout, and the step's (requests, tokens)."""
@@ -233,12 +236,12 @@ class PagedBatchStager(_Stager):
                     b[name] = z((max(n, 2 * b[name].shape[0]),), np.int64, self.device)
         self.packed, self.batches = PackCache(LAYOUTS_KEPT), OrderedDict()
 
-    def _batch(self, n: int, t: int, w: int) -> Batch:
+    def _batch(self, s: int, n: int, t: int, w: int) -> Batch:
         v, rtt = self._view, self.req_to_token
         rows, cols = rtt.shape
-        table = ArrayView(rtt.ptr, (rows, cols), (4 * cols, 4), rtt.dtype, "int32", self.device, False, rtt)
-        return Batch(v("rows", n), v("prefix", n), v("extend", n), table, input_ids=v("ids", t), positions=v("pos", t),
-                     out_cache_loc=v("loc", w))
+        table = ArrayView(rtt.ptr, (rows, cols), (4 * cols, 4), rtt.dtype, "int32", self.device, False, rtt, s)
+        return Batch(v("rows", n, s), v("prefix", n, s), v("extend", n, s), table, input_ids=v("ids", t, s),
+                     positions=v("pos", t, s), out_cache_loc=v("loc", w, s))
 
     def _pack(self, arrays):
         views, wide = self._inputs(arrays, (1, 1, 1, 1, 1, 1))
