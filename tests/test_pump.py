@@ -289,7 +289,8 @@ def test_launches_are_repacked_only_when_a_batch_layout_changes(fake):
     batch.expected_token_offset = 1                  # a scalar field counts too
     step(canary, batch, s)
     assert len(canary.stages.packed["HEAD"]) == 3
-    for k in range(2, 2 + 8):                        # at most 8 layouts are kept per stage
+    canary.stages.packed["HEAD"].kept = 8            # at most LAYOUTS_KEPT layouts are kept per stage
+    for k in range(2, 2 + 8):
         batch.out_cache_loc = memory.to_device(np.array([10] + [-1] * k, np.int64))
         batch.input_ids = batch.positions = memory.to_device(np.zeros(k + 1, np.int64))
         step(canary, batch, s)
@@ -331,3 +332,24 @@ def test_verify_grid_is_one_resident_wave_at_most(fake, capacity, wide):
         assert name == (f"{base}_wide" if wide else base) and block == (128 if wide else 256)
         tile = (31 if wide else 32 * abi.VERIFY_LANE_ENTRIES - 1) * (block // 32)
         assert grid == min(rt.sm_count * (2048 // block), -(-capacity // tile))  # fake occupancy: 2048 threads
+
+
+def test_a_batch_size_that_cycles_through_many_values_is_packed_once_per_size(fake, monkeypatch):
+    """An engine's decode batch size takes many values in turn (requests finish and join): each
+    layout is validated and packed once, not again every time it comes back (up to LAYOUTS_KEPT)."""
+    from kvcanary import memory, stages
+    from kvcanary.manager import KvCanary, PoolGroup
+    canary = KvCanary(PoolGroup(64, halves=("K",)), device=0, hash_mode="none", max_batch=40, verify_capacity=256)
+    packs = []
+    real_pack = stages.StageLaunches.pack
+    monkeypatch.setattr(stages.StageLaunches, "pack", lambda self, *a: packs.append(1) or real_pack(self, *a))
+    D, s = memory.to_device, stream(fake)
+    sizes = list(range(1, 41))  # 40 batch sizes
+    batches = {n: kc.Batch(D(np.arange(1, n + 1, dtype=np.int64)), D(np.full(n, 3, np.int64)),
+                           D(np.ones(n, np.int64)), D(np.zeros((n + 1, 8), np.int32)), D(np.full(n, 7, np.int64)),
+                           D(np.full(n, 3, np.int64)), D(np.arange(9, 9 + n, dtype=np.int64))) for n in sizes}
+    for _ in range(2):
+        for n in sizes:
+            step(canary, batches[n], s)
+    assert len(packs) == 2 * len(sizes) and 40 <= stages.LAYOUTS_KEPT  # each stage packs each size once
+    fake.run()
