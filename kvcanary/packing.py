@@ -25,7 +25,7 @@ from .driver import PER_THREAD_STREAM, pointer_device
 from .errors import ValidationError
 from .memory import DeviceArray
 
-KEPT = 8  # layouts kept per cache (least recently used dropped first)
+KEPT = 128  # layouts kept per cache (least recently used dropped first; batch sizes vary: stages.LAYOUTS_KEPT)
 # Argument types whose layout and address never change while the object lives (kvcanary's own
 # arrays, numbers, None): the same object proves the same key.
 IMMUTABLE = frozenset({DeviceArray, ArrayView, type(None), int, float, bool})
