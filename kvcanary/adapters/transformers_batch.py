@@ -97,9 +97,9 @@ class StepBatches:
         callbacks see ``info.batch`` as torch tensors, as from the torch path)."""
         import torch  # on first use, as above
         kept = self.torch_batches.get(id(batch))
-        if kept is None or kept[0] is not batch:
-            if len(self.torch_batches) >= 64:
-                self.torch_batches.clear()
+        if kept is None or kept[0] is not batch:  # a new shape: drop the twins of Batches the stager dropped
+            live = {id(b) for b in self.stager.batches.values()}
+            self.torch_batches = {k: v for k, v in self.torch_batches.items() if k in live}
             def twin(v):  # a view's owner is the stager's DeviceArray; the view is its leading elements
                 if not isinstance(v, ArrayView):
                     return v

@@ -146,3 +146,6 @@ def test_step_batches_stage_on_the_device_and_hand_over_torch_tensors(emulated_d
                                       err_msg=k)
     again = sb.batch(as_device(data), pending, check_inputs=False)
     assert again is got and sb.stager.launches == 2
+    longer, long_pending = step_data(31, 5, longest=600)  # the map grows: the old Batch and its twin go
+    sb.batch(as_device(longer), long_pending, check_inputs=False)
+    assert len(sb.torch_batches) == 1 and all(b is not got for _, b in sb.torch_batches.values())
