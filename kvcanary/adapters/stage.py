@@ -31,12 +31,12 @@ from .. import abi, driver, memory, streams
 from ..arrays import ArrayView, as_view
 from ..errors import ValidationError, ValidationTypeError
 from ..launch import Launch
-from ..packing import PackCache, arg_keys
+from ..packing import KEPT, PackCache, arg_keys
 from ..plan import Batch
 from ..sources import resolved
 from ..validate import integer
+from .vllm import step_requests
 
-LAYOUTS_KEPT = 64  # packed launches and Batches kept (one per metadata layout: batch sizes vary per step)
 _INT = ("int32", "int64")
 
 
@@ -51,7 +51,7 @@ class _Stager:
         self.device = integer("device", device, lo=0, fix="pass a CUDA device ordinal")
         self.rt = driver.runtime(self.device)
         self.buffers = {name: memory.zeros((n,), np.int64, self.device) for name, n in sizes.items()}
-        self.packed = PackCache(LAYOUTS_KEPT)
+        self.packed = PackCache(KEPT)
         self.batches: OrderedDict = OrderedDict()  # the shape of a step -> its Batch of views
         self.launches = 0
 
@@ -73,7 +73,7 @@ class _Stager:
         batch = self.batches.get((shape, s))
         if batch is None:  # its views name the stream: a canary step given no stream runs there too
             batch = self.batches[(shape, s)] = self._batch(s, *shape)
-            while len(self.batches) > LAYOUTS_KEPT:
+            while len(self.batches) > KEPT:
                 self.batches.popitem(last=False)
         if expected_input_ids is None and expected_positions is None:
             return batch
@@ -162,12 +162,10 @@ class VllmBatchStager(_Stager):
         """The validated launch of one metadata layout, and the step's (requests, tokens)."""
         views, wide = self._inputs(arrays, (2, 1, 1, 1, 1, 1))
         bt, seq, qsl, *tok = views
-        if qsl.shape[0] < 1:
-            raise ValidationError("kv-canary: query_start_loc must hold num_reqs + 1 offsets (at least the leading 0), "
-                                  "got an empty array. Fix: pass the metadata's query_start_loc")
-        rows = min(bt.shape[0], seq.shape[0], qsl.shape[0] - 1)
-        n = rows if num_reqs is None else integer("num_reqs", num_reqs, lo=0, hi=max(rows, 0),
-                                                  fix=f"pass at most the {rows} requests the metadata holds")
+        n = step_requests(bt.shape[0], qsl.shape[0], num_reqs)
+        if seq.shape[0] < n:  # as block_table_to_req_to_token refuses it
+            raise ValidationError(f"kv-canary: seq_lens must have one length per request (>= {n}), got "
+                                  f"{seq.shape[0]}. Fix: pass the seq_lens of the same step")
         have = min(x.shape[0] for x in tok)
         t = have if num_tokens is None else integer("num_tokens", num_tokens, lo=0, hi=have,
                                                     fix=f"pass at most the {have} tokens given")
@@ -210,7 +208,7 @@ class PagedBatchStager(_Stager):
         max_writes = integer("max_writes", max_writes, lo=1, fix="pass the most tokens a step writes")
         super().__init__(device, {"rows": max_reqs, "prefix": max_reqs, "extend": max_reqs, "ids": max_tokens,
                                   "pos": max_tokens, "loc": max_writes})
-        self.rows, self.req_to_token = max_reqs + 1, None  # the map: allocated by the first step
+        self.map_rows, self.req_to_token = max_reqs + 1, None  # the map: allocated by the first step
 
     def __call__(self, *, cu_q, cu_k, read_index, write_index, input_ids, positions, max_len: int,
                  expected_input_ids=None, expected_positions=None, stream=None) -> Batch:
@@ -229,12 +227,12 @@ class PagedBatchStager(_Stager):
         z, b = memory.zeros, self.buffers
         cols = 0 if self.req_to_token is None else self.req_to_token.shape[1]
         if max_len > cols or self.req_to_token is None:  # as StepBatches.req_to_token grows its map
-            self.req_to_token = z((self.rows, max(max_len, 2 * cols, 256)), np.int32, self.device)
+            self.req_to_token = z((self.map_rows, max(max_len, 2 * cols, 256)), np.int32, self.device)
         for names, n in ((("ids", "pos"), tokens), (("loc",), writes)):
             if n > b[names[0]].shape[0]:
                 for name in names:
                     b[name] = z((max(n, 2 * b[name].shape[0]),), np.int64, self.device)
-        self.packed, self.batches = PackCache(LAYOUTS_KEPT), OrderedDict()
+        self.packed, self.batches = PackCache(KEPT), OrderedDict()
 
     def _batch(self, s: int, n: int, t: int, w: int) -> Batch:
         v, rtt = self._view, self.req_to_token

@@ -204,6 +204,17 @@ def _first(x, n: int):
     return x if x.shape[0] == n else x[:n]
 
 
+def step_requests(table_rows: int, query_starts: int, num_reqs) -> int:
+    """The requests of a step whose metadata holds ``table_rows`` block-table rows and
+    ``query_starts`` query offsets: ``num_reqs`` (checked against them), else as many as both hold."""
+    if query_starts < 1:
+        raise ValidationError("kv-canary: query_start_loc must hold num_reqs + 1 offsets (at least the leading 0), got "
+                              "an empty array. Fix: pass the metadata's query_start_loc")
+    rows = min(table_rows, query_starts - 1)
+    return rows if num_reqs is None else integer("num_reqs", num_reqs, lo=0, hi=rows,
+                                                 fix=f"pass at most the {rows} requests the metadata holds")
+
+
 def vllm_batch(*, block_table, seq_lens, query_start_loc, slot_mapping, input_ids, positions, block_size: int,
                num_reqs: int | None = None, num_tokens: int | None = None, max_len: int | None = None,
                req_to_token=None, expected_input_ids=None, expected_positions=None) -> Batch:
@@ -218,12 +229,7 @@ def vllm_batch(*, block_table, seq_lens, query_start_loc, slot_mapping, input_id
     qsl_view, bt_view = _int_array("query_start_loc", query_start_loc, 1), _int_array("block_table", block_table, 2)
     tokens = min(_int_array(k, v, 1).shape[0] for k, v in (("slot_mapping", slot_mapping), ("input_ids", input_ids),
                                                           ("positions", positions)))
-    if qsl_view.shape[0] < 1:
-        raise ValidationError("kv-canary: query_start_loc must hold num_reqs + 1 offsets (at least the leading 0), got "
-                              "an empty array. Fix: pass the metadata's query_start_loc")
-    rows = min(bt_view.shape[0], qsl_view.shape[0] - 1)
-    n = rows if num_reqs is None else integer("num_reqs", num_reqs, lo=0, hi=max(rows, 0),
-                                              fix=f"pass at most the {rows} requests the metadata holds")
+    n = step_requests(bt_view.shape[0], qsl_view.shape[0], num_reqs)
     optional_integer("num_tokens", num_tokens, lo=0, hi=tokens, fix=f"pass at most the {tokens} tokens given")
     qsl = astype(_first(query_start_loc, n + 1), "int64")
     extend = qsl[1:] - qsl[:-1]
