@@ -292,6 +292,12 @@ def test_transformers_cpu(scenario):
 
 
 # ---- what is refused, and how ---------------------------------------------------------------------
+def test_a_cuda_cache_stages_each_step_on_the_device_by_default():
+    import inspect
+
+    assert inspect.signature(TransformersCanary).parameters["stage_on_device"].default is True
+
+
 def test_supported_range_is_the_declared_extra():
     """The adapter's range is the one ``pip install 'kvcanary[transformers]'`` installs, and the
     installed transformers (the one these tests ran with) is inside it."""

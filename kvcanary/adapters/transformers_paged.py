@@ -72,8 +72,9 @@ class TransformersCanary:
     ``check_inputs`` compares the model's input tokens and positions with the request state (a
     wrong input token is a WRITE_TOKEN row). ``before_step(info)`` / ``after_step(info)`` are
     optional callbacks around each forward (observability, fault injection in tests).
-    ``stage_on_device=True`` (opt-in): on a CUDA cache each step's Batch is staged in one launch
-    (:class:`~.stage.PagedBatchStager`, the same values) instead of about 30 torch ops. Other
+    ``stage_on_device`` (default True): on a CUDA cache each step's Batch is staged in one launch
+    (:class:`~.stage.PagedBatchStager`, the same values) instead of about 30 torch ops; False
+    builds it with torch ops (the reference path, and the one a CPU cache always takes). Other
     keyword arguments go to :class:`KvCanary` (``verify_capacity``, ``ring_capacity``, ...).
     Counters: :attr:`steps`, :attr:`requests` (ids seen), :attr:`detections` (violation records,
     each with the step it happened in), :meth:`summary`. Raises a ``kv-canary:`` error at
@@ -81,7 +82,7 @@ class TransformersCanary:
     """
 
     def __init__(self, model, *, layers=None, hash_mode: str = "partial", mode: str = "log",
-                 check_inputs: bool = True, before_step=None, after_step=None, stage_on_device: bool = False,
+                 check_inputs: bool = True, before_step=None, after_step=None, stage_on_device: bool = True,
                  **kvcanary_kwargs):
         self.transformers_version = check_transformers_version(_installed_transformers())
         if not callable(getattr(model, "init_continuous_batching", None)):

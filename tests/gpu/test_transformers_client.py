@@ -2,7 +2,8 @@
 generation with the same tokens as without the canary, the same schedule and tokens under a small
 block pool, a flipped KV byte, a corrupted read index and a wrong input token, each reported in the
 step it is read) with a bf16 Llama on CUDA, where the canary runs the kernels on the compute stream;
-each with the step's Batch built by torch ops and staged in one launch (stage_on_device=True).
+each with the step's Batch staged in one launch (the default) and built by torch ops
+(stage_on_device=False).
 """
 
 from __future__ import annotations
@@ -27,16 +28,16 @@ from tests.test_transformers_cpu import SCENARIOS  # noqa: E402
 pytestmark = pytest.mark.gpu
 
 
-class StagedCanary(TransformersCanary):
-    """The client with each step staged in one launch (PagedBatchStager)."""
+class TorchOpsCanary(TransformersCanary):
+    """The client with each step's Batch built by torch ops (the reference path)."""
 
     def __init__(self, model, **kwargs):
-        super().__init__(model, stage_on_device=True, **kwargs)
+        super().__init__(model, stage_on_device=False, **kwargs)
 
 
 @pytest.mark.parametrize("staged", [False, True], ids=["torch-ops", "staged"])
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__)
 def test_transformers_cuda(scenario, staged, monkeypatch):
-    if staged:
-        monkeypatch.setattr(test_transformers_cpu, "TransformersCanary", StagedCanary)
+    if not staged:
+        monkeypatch.setattr(test_transformers_cpu, "TransformersCanary", TorchOpsCanary)
     scenario("cuda")
