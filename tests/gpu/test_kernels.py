@@ -143,6 +143,40 @@ def test_write_with_a_chain_source_equals_the_serial_write(mode, nsrc, change):
     assert ref[2] > 0  # the workload exercises the rows
 
 
+@pytest.mark.parametrize("change", [None, _change_some_head_records])
+def test_long_requests_take_their_chain_source_in_rounds(change):
+    """The chain-source path of long requests (several rounds of KVC_LINK_DEPTH entries per thread
+    of one block) ends byte for byte as the serial write: requests 1 and 2 have no holes (their
+    links can all hold: 2000-9000 entries), request 3 keeps its holes (it runs the serial chain),
+    request 0 is decode-sized; with the HEAD records as written and with some changed."""
+    w = workloads.make(77, num_slots=40000, page_size=16, mode=abi.HashMode.PARTIAL, num_sources=1, num_reqs=4,
+                       max_len=9000)
+    w.offsets[2:] = w.offsets[1] + np.cumsum([2000 + 7, 9000 - 1, 2500])  # lengths 2007, 8999, 2500
+    n = int(w.offsets[-1])
+    rng = np.random.default_rng(3)
+    slots = rng.permutation(np.arange(8, w.num_slots))[:n].astype(np.int64)  # slot 5, a seed, is not written
+    w.out_cache_loc = slots.copy()
+    hole = rng.random(n) < 0.03
+    hole[: w.offsets[3]] = False
+    w.out_cache_loc[hole] = -1
+    w.input_ids = rng.integers(0, 50_000, n).astype(np.int64)
+    w.positions = np.concatenate([np.arange(b - a) for a, b in zip(w.offsets[:-1], w.offsets[1:])]).astype(np.int64)
+    w.expected_input_ids, w.expected_positions = w.input_ids.copy(), w.positions.copy()
+    w.expected_input_ids[rng.random(n) < 0.001] += 1
+    w.seed = np.array([-1, 5, w.num_slots + 2, -1], np.int64)
+    canary = rng.integers(-(1 << 62), 1 << 62, (w.num_slots, 4)).astype(np.int64)
+
+    def sources(B):
+        pools = [workloads.columns(B(big.copy()), col, w.page_size * b) for (big, col), b in zip(w.pools, w.bytes_per_token)]
+        return [kc.RealKvSource(q, w.page_size, b, r) for q, b, r in zip(pools, w.bytes_per_token, w.read_bytes)]
+
+    ref = _write_effects(w, host, canary, sources, w.mode)
+    got = _write_effects(w, to_dev, canary, sources, w.mode, chain_from=True, head_change=change)
+    np.testing.assert_array_equal(ref[0], got[0])
+    assert ref[1:] == got[1:]
+    assert ref[4] >= n * 0.9  # slot_run_counter: the long requests were stamped
+
+
 def test_long_chain_single_request():
     w = workloads.make(123, num_slots=40000, page_size=64, num_reqs=1, max_len=2, mode=abi.HashMode.ALL)
     n = 33000
