@@ -29,7 +29,7 @@ from kvcanary.driver import check
 from .timing import GpuTimer, pack_args
 
 KERNELS = Path(__file__).resolve().parent / "kernels"  # probes.cu and baseline.cu
-PROBE_NAMES = ("kvcp_spin", "kvcp_read", "kvcp_fill", "kvcp_chain", "kvcp_verify_loads",
+PROBE_NAMES = ("kvcp_spin", "kvcp_read", "kvcp_fill", "kvcp_chain", "kvcp_chain_vector", "kvcp_verify_loads",
                "kvcb_verify_persistent", "kvcb_write_one_thread", "kvcb_verify_simple")
 KEY = 0x5EED_C0DE_0BAD_F00D  # probes store their folded loads only if they equal this: never
 COPY_BYTES = 2 << 30
@@ -84,8 +84,8 @@ class Probes:
         n = nbytes // 8
         self.launch("kvcp_fill", self.grid(n, 8), BLOCK, stream, u64(ptr), i64(n), u64(seed))
 
-    def chain(self, n: int, stream: int) -> None:
-        self.launch("kvcp_chain", 1, 32, stream, i64(n), u64(KEY), u64(self.out.ptr))
+    def chain(self, n: int, stream: int, vector: bool = False) -> None:
+        self.launch("kvcp_chain_vector" if vector else "kvcp_chain", 1, 32, stream, i64(n), u64(KEY), u64(self.out.ptr))
 
     def verify_loads(self, stream: int, *, canary, n: int, plan=None, rpi=None, rtt=None,
                      per_req: int = 1, src=None, src_row_stride: int = 0, page_size: int = 1,

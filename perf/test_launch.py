@@ -58,3 +58,13 @@ def test_bound_serial_chain(report, probes, bounds):
     seconds = report.gpu(lambda s: probes.chain(CHAIN_STEPS, s), rounds=15, flush=False)
     report.row(f"bound: serial mix3 chain, {CHAIN_STEPS} steps", seconds, "s",
                ns_per_step=seconds / CHAIN_STEPS * 1e9, session_bound_s=bounds.chain(CHAIN_STEPS))
+
+
+@gpu_timed
+def test_serial_chain_in_vector_registers(report, probes, bounds):
+    """The serial chain with its running value in vector registers, against the bound's (uniform
+    datapath): the floor a per-request chain loop in a kernel can reach (docs/performance.md)."""
+    seconds = report.gpu(lambda s: probes.chain(CHAIN_STEPS, s, vector=True), rounds=15, flush=False)
+    report.row(f"serial mix3 chain in vector registers, {CHAIN_STEPS} steps", seconds, "s",
+               bound=bounds.chain(CHAIN_STEPS), bound_name="the serial chain bound (uniform datapath)",
+               ns_per_step=seconds / CHAIN_STEPS * 1e9)

@@ -51,6 +51,16 @@ extern "C" __global__ void kvcp_chain(long long n, unsigned long long key, unsig
   if (h == key) out[0] = h;
 }
 
+// The same chain in vector registers: thread 0's running value is seeded from threadIdx.x, so the
+// compiler cannot keep it in the uniform datapath as it does kvcp_chain's (a warp-uniform value).
+// A kernel's per-request chain (kvc_write's chain thread) runs on this datapath.
+extern "C" __global__ void kvcp_chain_vector(long long n, unsigned long long key, unsigned long long* out) {
+  if (blockIdx.x != 0 || threadIdx.x != 0) return;
+  unsigned long long h = kvc_sm(KVC_ANCHOR ^ (unsigned long long)threadIdx.x);
+  for (long long i = 0; i < n; ++i) h = kvc_mix3(h, (unsigned long long)i * 0x9E3779B97F4A7C15ULL, (unsigned long long)i);
+  if (h == key) out[0] = h;
+}
+
 // "Same loads, no compute" of one verify entry per lane, grid-stride in warp-uniform steps.
 //  - plan variant (plan_slot != 0): the four int64 plan arrays, like kvc_verify;
 //  - fused variant (plan_slot == 0): req_pool_indices[r] and two int32 req_to_token reads, like
