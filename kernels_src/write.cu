@@ -20,7 +20,7 @@
 static_assert(KVC_BLOCK_THREADS == 256, "the write kernel's warp roles assume 8 warps");
 #define KVC_WRITE_WORKERS 192                // warps 1-3 and 5-7: loads, folds and stores
 #define KVC_WRITE_CHUNK KVC_WRITE_WORKERS    // one entry per worker thread per chunk
-#define KVC_LINK_DEPTH 8                     // entries per thread per round of the chain-source path
+#define KVC_LINK_DEPTH 4                     // entries per thread per round of the chain-source link check
 
 // Worker index of thread `tid` (0..191), or -1: warp 0 runs the chain, warp 4 idles (see above).
 __device__ __forceinline__ int kvc_write_worker(int tid) {
@@ -169,39 +169,23 @@ __device__ __forceinline__ bool kvc_chain_links(const KvcWriteParams& p, long lo
   return __syncthreads_and(ok) != 0;
 }
 
-// Request [start, end) stamped with the chain source's values (kvc_chain_links held), KVC_LINK_DEPTH
-// entries per thread per round with their loads issued before the first fingerprint. Repeated slots
-// need no last-occurrence rule here: the links proved that every occurrence of a slot stores the same
-// token, position and chain, and the slot's bytes give the same fingerprint. Slots are read again
-// and checked again: the arrays are device memory.
+// Request [start, end) stamped with the chain source's values (kvc_chain_links held), an entry per
+// thread. Repeated slots need no last-occurrence rule here: the links proved that every occurrence
+// of a slot stores the same token, position and chain, and the slot's bytes give the same fingerprint.
+// Slots are read again and checked again: the arrays are device memory.
 __device__ __forceinline__ unsigned kvc_write_linked(const KvcWriteParams& p, long long start, long long end,
                                                      long long seed_position, bool has_expected, bool pos_assert) {
   unsigned stamped = 0;
-  const long long span = (long long)blockDim.x * KVC_LINK_DEPTH;
-  for (long long base = start + threadIdx.x; base - threadIdx.x < end; base += span) {  // the same rounds in every thread
-    long long slot[KVC_LINK_DEPTH], token[KVC_LINK_DEPTH], position[KVC_LINK_DEPTH], before[KVC_LINK_DEPTH];
-    uint64_t chain[KVC_LINK_DEPTH];
-#pragma unroll
-    for (int k = 0; k < KVC_LINK_DEPTH; ++k) {
-      const long long i = base + (long long)k * blockDim.x;
-      const bool mine = i < end;
-      slot[k] = mine ? p.out_cache_loc[i] : KVC_SKIP_SLOT;
-      token[k] = mine ? p.input_ids[i] : 0;
-      position[k] = mine ? p.positions[i] : 0;
-      before[k] = mine && i > start ? p.positions[i - 1] : seed_position;
-    }
-#pragma unroll
-    for (int k = 0; k < KVC_LINK_DEPTH; ++k)
-      chain[k] = slot[k] >= 0 && slot[k] < p.num_slots ? kvc_source_chain(p, slot[k]) : 0;
-#pragma unroll
-    for (int k = 0; k < KVC_LINK_DEPTH; ++k) {
-      const long long i = base + (long long)k * blockDim.x;
-      const bool in = slot[k] >= 0 && slot[k] < p.num_slots;
-      const uint64_t rkv = kvc_fingerprint_lanes(p, slot[k], in);  // every lane of the warp
-      if (i < end)
-        stamped += kvc_write_entry(p, i, slot[k], token[k], position[k], chain[k], before[k], rkv, has_expected,
-                                   pos_assert, true);
-    }
+  for (long long base = start; base < end; base += blockDim.x) {  // the same rounds in every thread
+    const long long i = base + threadIdx.x;
+    const long long slot = i < end ? p.out_cache_loc[i] : KVC_SKIP_SLOT;
+    const bool in = slot >= 0 && slot < p.num_slots;
+    const uint64_t rkv = kvc_fingerprint_lanes(p, slot, in);  // every lane of the warp
+    if (i >= end) continue;
+    const uint64_t chain = in ? kvc_source_chain(p, slot) : 0;
+    const long long prev_position = i > start ? p.positions[i - 1] : seed_position;
+    stamped += kvc_write_entry(p, i, slot, p.input_ids[i], p.positions[i], chain, prev_position, rkv,
+                               has_expected, pos_assert, true);
   }
   return stamped;
 }
