@@ -20,7 +20,6 @@
 static_assert(KVC_BLOCK_THREADS == 256, "the write kernel's warp roles assume 8 warps");
 #define KVC_WRITE_WORKERS 192                // warps 1-3 and 5-7: loads, folds and stores
 #define KVC_WRITE_CHUNK KVC_WRITE_WORKERS    // one entry per worker thread per chunk
-#define KVC_LINK_DEPTH 4                     // entries per thread per round of the chain-source link check
 
 // Worker index of thread `tid` (0..191), or -1: warp 0 runs the chain, warp 4 idles (see above).
 __device__ __forceinline__ int kvc_write_worker(int tid) {
@@ -138,33 +137,21 @@ __device__ __forceinline__ uint64_t kvc_source_chain(const KvcWriteParams& p, lo
 // each entry's slot is in the buffer and its source record holds the entry's token and position and,
 // as PREV_HASH, the seed's hash (first entry) or mix3 of the previous entry's source PREV_HASH, token
 // and position. By induction over the entries those PREV_HASH values are the serial chain's.
-// A round checks KVC_LINK_DEPTH entries per thread, their loads issued together: a long request is
-// latency-bound on one block (two dependent loads per entry), so the depth divides its rounds.
 __device__ __forceinline__ bool kvc_chain_links(const KvcWriteParams& p, long long start, long long end,
                                                 uint64_t seed_hash) {
   bool ok = true;
-  const long long span = (long long)blockDim.x * KVC_LINK_DEPTH;
-  for (long long base = start + threadIdx.x; ok && base < end; base += span) {
-    long long slot[KVC_LINK_DEPTH], prev[KVC_LINK_DEPTH];
-#pragma unroll
-    for (int k = 0; k < KVC_LINK_DEPTH; ++k) {
-      const long long i = base + (long long)k * blockDim.x;
-      slot[k] = i < end ? p.out_cache_loc[i] : 0;
-      prev[k] = i < end && i > start ? p.out_cache_loc[i - 1] : 0;
-      ok = ok && slot[k] >= 0 && slot[k] < p.num_slots && prev[k] >= 0 && prev[k] < p.num_slots;
+  for (long long i = start + threadIdx.x; ok && i < end; i += blockDim.x) {
+    const long long slot = p.out_cache_loc[i], prev = i > start ? p.out_cache_loc[i - 1] : 0;
+    if (slot < 0 || slot >= p.num_slots || prev < 0 || prev >= p.num_slots) {
+      ok = false;
+      break;
     }
-    if (!ok) break;
-#pragma unroll
-    for (int k = 0; k < KVC_LINK_DEPTH; ++k) {  // every slot is in the buffer: the loads need no branch
-      const long long i = base + (long long)k * blockDim.x;
-      if (i >= end) break;
-      const long long* h = p.chain_source + slot[k] * p.slot_stride_words;
-      const uint64_t want = i > start ? kvc_mix3(kvc_source_chain(p, prev[k]), (uint64_t)p.input_ids[i - 1],
-                                                 (uint64_t)p.positions[i - 1])
-                                      : seed_hash;
-      ok = ok && h[KVC_FIELD_TOKEN] == p.input_ids[i] && h[KVC_FIELD_POSITION] == p.positions[i] &&
-           (uint64_t)h[KVC_FIELD_PREV_HASH] == want;
-    }
+    const long long* h = p.chain_source + slot * p.slot_stride_words;
+    const uint64_t want = i > start ? kvc_mix3(kvc_source_chain(p, prev), (uint64_t)p.input_ids[i - 1],
+                                               (uint64_t)p.positions[i - 1])
+                                    : seed_hash;
+    ok = h[KVC_FIELD_TOKEN] == p.input_ids[i] && h[KVC_FIELD_POSITION] == p.positions[i] &&
+         (uint64_t)h[KVC_FIELD_PREV_HASH] == want;
   }
   return __syncthreads_and(ok) != 0;
 }

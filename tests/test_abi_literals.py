@@ -50,8 +50,6 @@ WRITE_KERNEL_LAYOUT: dict[tuple[str, str, str], str] = {
         "the idle warp (warp 4: it shares warp 0's scheduler)",
     ("write.cu", "64", "return (warp == 0 || warp == 4) ? -1 : tid - (warp < 4 ? 32 : 64);"):
         "threads of the two non-worker warps before warps 5-7",
-    ("write.cu", "4", "#define KVC_LINK_DEPTH 4"):
-        "entries per thread per round of the chain-source link check (loads in flight): tuning",
     ("write.cu", "4", "#pragma unroll 4"):
         "unroll of the serial chain loop: tuning",
     ("write.cu", "8", "#pragma unroll 8"):

@@ -145,8 +145,8 @@ def test_write_with_a_chain_source_equals_the_serial_write(mode, nsrc, change):
 
 @pytest.mark.parametrize("change", [None, _change_some_head_records])
 def test_long_requests_take_their_chain_source_in_rounds(change):
-    """The chain-source path of long requests (a link check of several rounds of KVC_LINK_DEPTH
-    entries per thread of one block) ends byte for byte as the serial write: requests 1 and 2 have no holes (their
+    """The chain-source path of long requests (link checks and stores of many rounds of one
+    block's threads) ends byte for byte as the serial write: requests 1 and 2 have no holes (their
     links can all hold: 2000-9000 entries), request 3 keeps its holes (it runs the serial chain),
     request 0 is decode-sized; with the HEAD records as written and with some changed."""
     w = workloads.make(77, num_slots=40000, page_size=16, mode=abi.HashMode.PARTIAL, num_sources=1, num_reqs=4,
