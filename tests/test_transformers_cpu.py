@@ -14,6 +14,7 @@ The scenarios take the device; tests/gpu/test_transformers_client.py runs them o
 
 from __future__ import annotations
 
+import inspect
 import random
 import re
 import warnings
@@ -293,8 +294,6 @@ def test_transformers_cpu(scenario):
 
 # ---- what is refused, and how ---------------------------------------------------------------------
 def test_a_cuda_cache_stages_each_step_on_the_device_by_default():
-    import inspect
-
     assert inspect.signature(TransformersCanary).parameters["stage_on_device"].default is True
 
 
