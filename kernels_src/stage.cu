@@ -26,26 +26,26 @@ extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_stage_vllm(c
   KVC_AFTER_PREVIOUS_GRID();
   const long long stride = (long long)gridDim.x * blockDim.x, first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   for (long long r = first; r < p.num_reqs; r += stride) {
-    const long long q0 = kvc_stage_load(p.query_start_loc, r, p.wide, KVC_STAGE_QUERY_START_LOC);
-    const long long q1 = kvc_stage_load(p.query_start_loc, r + 1, p.wide, KVC_STAGE_QUERY_START_LOC);
-    const long long seq = kvc_stage_load(p.seq_lens, r, p.wide, KVC_STAGE_SEQ_LENS);
+    const long long q0 = kvc_stage_load(p.query_start_loc, r, p.wide, KVC_STAGE_VLLM_QUERY_START_LOC);
+    const long long q1 = kvc_stage_load(p.query_start_loc, r + 1, p.wide, KVC_STAGE_VLLM_QUERY_START_LOC);
+    const long long seq = kvc_stage_load(p.seq_lens, r, p.wide, KVC_STAGE_VLLM_SEQ_LENS);
     p.rows[r] = r + 1;
     p.extend_lens[r] = kvc_sub_wrap(q1, q0);
     p.prefix_lens[r] = kvc_sub_wrap(seq, kvc_sub_wrap(q1, q0));
   }
   for (long long i = first; i < p.num_tokens; i += stride) {
-    p.out_input_ids[i] = kvc_stage_load(p.input_ids, i, p.wide, KVC_STAGE_INPUT_IDS);
-    p.out_positions[i] = kvc_stage_load(p.positions, i, p.wide, KVC_STAGE_POSITIONS);
-    p.out_cache_loc[i] = kvc_stage_load(p.slot_mapping, i, p.wide, KVC_STAGE_SLOT_MAPPING);
+    p.out_input_ids[i] = kvc_stage_load(p.input_ids, i, p.wide, KVC_STAGE_VLLM_INPUT_IDS);
+    p.out_positions[i] = kvc_stage_load(p.positions, i, p.wide, KVC_STAGE_VLLM_POSITIONS);
+    p.out_cache_loc[i] = kvc_stage_load(p.slot_mapping, i, p.wide, KVC_STAGE_VLLM_SLOT_MAPPING);
   }
   const long long cells = (p.num_reqs + 1) * p.max_len;
   for (long long c = first; c < cells; c += stride) {
     const long long row = c / p.max_len, pos = c - row * p.max_len;
     long long slot = 0;
-    if (row > 0 && pos < kvc_stage_load(p.seq_lens, row - 1, p.wide, KVC_STAGE_SEQ_LENS)) {
+    if (row > 0 && pos < kvc_stage_load(p.seq_lens, row - 1, p.wide, KVC_STAGE_VLLM_SEQ_LENS)) {
       const long long blk = pos / p.block_size;
       const long long id = kvc_stage_load(p.block_table, (row - 1) * p.block_table_stride + blk, p.wide,
-                                          KVC_STAGE_BLOCK_TABLE);  // any value: wraps as the int64 ops do
+                                          KVC_STAGE_VLLM_BLOCK_TABLE);  // any value: wraps as the int64 ops do
       slot = (long long)((unsigned long long)id * (unsigned long long)p.block_size + (unsigned long long)(pos - blk * p.block_size));
     }
     p.req_to_token[c] = (int)slot;
@@ -77,30 +77,30 @@ extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_stage_paged(
   KVC_AFTER_PREVIOUS_GRID();
   const long long stride = (long long)gridDim.x * blockDim.x, first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
   for (long long r = first; r < p.num_reqs; r += stride) {
-    const long long q = kvc_sub_wrap(kvc_stage_load(p.cu_q, r + 1, p.wide, KVC_STAGE_CU_Q),
-                                     kvc_stage_load(p.cu_q, r, p.wide, KVC_STAGE_CU_Q));
-    const long long k = kvc_sub_wrap(kvc_stage_load(p.cu_k, r + 1, p.wide, KVC_STAGE_CU_K),
-                                     kvc_stage_load(p.cu_k, r, p.wide, KVC_STAGE_CU_K));
+    const long long q = kvc_sub_wrap(kvc_stage_load(p.cu_q, r + 1, p.wide, KVC_STAGE_PAGED_CU_SEQ_LENS_Q),
+                                     kvc_stage_load(p.cu_q, r, p.wide, KVC_STAGE_PAGED_CU_SEQ_LENS_Q));
+    const long long k = kvc_sub_wrap(kvc_stage_load(p.cu_k, r + 1, p.wide, KVC_STAGE_PAGED_CU_SEQ_LENS_K),
+                                     kvc_stage_load(p.cu_k, r, p.wide, KVC_STAGE_PAGED_CU_SEQ_LENS_K));
     p.rows[r] = r + 1;
     p.extend_lens[r] = q;
     p.prefix_lens[r] = kvc_sub_wrap(k, q);
   }
   for (long long i = first; i < p.num_tokens; i += stride) {
-    p.out_input_ids[i] = kvc_stage_load(p.input_ids, i, p.wide, KVC_STAGE_IDS);
-    p.out_positions[i] = kvc_stage_load(p.positions, i, p.wide, KVC_STAGE_POSITIONS);
+    p.out_input_ids[i] = kvc_stage_load(p.input_ids, i, p.wide, KVC_STAGE_PAGED_INPUT_IDS);
+    p.out_positions[i] = kvc_stage_load(p.positions, i, p.wide, KVC_STAGE_PAGED_POSITION_IDS);
   }
   for (long long i = first; i < p.num_write; i += stride)
-    p.out_cache_loc[i] = kvc_stage_slot(p, kvc_stage_load(p.write_index, i, p.wide, KVC_STAGE_WRITE));
+    p.out_cache_loc[i] = kvc_stage_slot(p, kvc_stage_load(p.write_index, i, p.wide, KVC_STAGE_PAGED_WRITE_INDEX));
   if (p.num_reqs <= 0) return;
   for (long long j = first; j < p.num_read; j += stride) {
     long long lo = 0, hi = p.num_reqs;  // r = #{ m in [1, n] : cu_k[m] <= j }, by binary search
     while (lo < hi) {
       const long long mid = (lo + hi) / 2;
-      if (kvc_stage_load(p.cu_k, mid + 1, p.wide, KVC_STAGE_CU_K) <= j) lo = mid + 1;
+      if (kvc_stage_load(p.cu_k, mid + 1, p.wide, KVC_STAGE_PAGED_CU_SEQ_LENS_K) <= j) lo = mid + 1;
       else hi = mid;
     }
     const long long r = lo < p.num_reqs - 1 ? lo : p.num_reqs - 1;
-    const long long col = kvc_clamp(kvc_sub_wrap(j, kvc_stage_load(p.cu_k, r, p.wide, KVC_STAGE_CU_K)), 0, p.rtt_cols - 1);
-    p.req_to_token[(r + 1) * p.rtt_cols + col] = (int)kvc_stage_slot(p, kvc_stage_load(p.read_index, j, p.wide, KVC_STAGE_READ));
+    const long long col = kvc_clamp(kvc_sub_wrap(j, kvc_stage_load(p.cu_k, r, p.wide, KVC_STAGE_PAGED_CU_SEQ_LENS_K)), 0, p.rtt_cols - 1);
+    p.req_to_token[(r + 1) * p.rtt_cols + col] = (int)kvc_stage_slot(p, kvc_stage_load(p.read_index, j, p.wide, KVC_STAGE_PAGED_READ_INDEX));
   }
 }

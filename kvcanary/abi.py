@@ -359,8 +359,9 @@ SNAPSHOT_PARAMS = StructDecl("KvcSnapshotParams", (
 
 # One step of vLLM attention metadata staged into a Batch's persistent buffers (kernels_src/stage.cu,
 # kvcanary.adapters.stage): one launch instead of the adapter's torch ops. Each input is int32
-# or int64 (bit STAGE_* of `wide`); the 1-D inputs are contiguous, the block table's rows too.
-STAGE_BLOCK_TABLE, STAGE_SEQ_LENS, STAGE_QUERY_START_LOC, STAGE_SLOT_MAPPING, STAGE_INPUT_IDS, STAGE_POSITIONS = range(6)
+# or int64: bit i of `wide` is set when input i of STAGE_VLLM_INPUTS is int64 (KVC_STAGE_VLLM_<NAME>
+# in the kernel); the 1-D inputs are contiguous, the block table's rows too.
+STAGE_VLLM_INPUTS = ("block_table", "seq_lens", "query_start_loc", "slot_mapping", "input_ids", "positions")
 STAGE_VLLM_PARAMS = StructDecl("KvcStageVllmParams", (
     _F("block_table", "ptr:const void"),     # [>= num_reqs, max_blocks], block_table_stride elements a row
     _F("seq_lens", "ptr:const void"),        # [>= num_reqs] lengths after the step
@@ -386,8 +387,8 @@ STAGE_VLLM_PARAMS = StructDecl("KvcStageVllmParams", (
 
 # One step of a paged engine given as cumulative query / key lengths and physical cache indices
 # (transformers continuous batching: kernels_src/stage.cu, kvcanary.adapters.transformers_batch),
-# staged like the vLLM step above. Bit STAGE_* of `wide` (input order below): int64, else int32.
-STAGE_CU_Q, STAGE_CU_K, STAGE_READ, STAGE_WRITE, STAGE_IDS = range(5)  # positions: STAGE_POSITIONS, as above
+# staged like the vLLM step above: bit i of `wide`, input i of STAGE_PAGED_INPUTS (KVC_STAGE_PAGED_<NAME>).
+STAGE_PAGED_INPUTS = ("cu_seq_lens_q", "cu_seq_lens_k", "read_index", "write_index", "input_ids", "position_ids")
 STAGE_PAGED_PARAMS = StructDecl("KvcStagePagedParams", (
     _F("cu_q", "ptr:const void"),            # [num_reqs + 1] cumulative new tokens
     _F("cu_k", "ptr:const void"),            # [num_reqs + 1] cumulative cached + new tokens
@@ -550,12 +551,9 @@ def constants() -> dict[str, int]:
         "KVC_FIELDS_PER_SLOT": FIELDS_PER_SLOT,
         "KVC_SELF_TEST_TOKEN": SELF_TEST_TOKEN, "KVC_SELF_TEST_POSITION": SELF_TEST_POSITION,
         "KVC_HALVES": HALVES, "KVC_PDL_CUDA_ARCH": PDL_CUDA_ARCH,
-        "KVC_STAGE_BLOCK_TABLE": STAGE_BLOCK_TABLE, "KVC_STAGE_SEQ_LENS": STAGE_SEQ_LENS,
-        "KVC_STAGE_QUERY_START_LOC": STAGE_QUERY_START_LOC, "KVC_STAGE_SLOT_MAPPING": STAGE_SLOT_MAPPING,
-        "KVC_STAGE_INPUT_IDS": STAGE_INPUT_IDS, "KVC_STAGE_POSITIONS": STAGE_POSITIONS,
-        "KVC_STAGE_CU_Q": STAGE_CU_Q, "KVC_STAGE_CU_K": STAGE_CU_K, "KVC_STAGE_READ": STAGE_READ,
-        "KVC_STAGE_WRITE": STAGE_WRITE, "KVC_STAGE_IDS": STAGE_IDS,
     }
+    for kernel, inputs in (("VLLM", STAGE_VLLM_INPUTS), ("PAGED", STAGE_PAGED_INPUTS)):
+        out.update({f"KVC_STAGE_{kernel}_{name.upper()}": bit for bit, name in enumerate(inputs)})
     for field in BatchField:
         out[f"KVC_BATCH_{field.name}"] = int(field)
     out["KVC_BATCH_FIELD_MAX"] = max(BatchField)

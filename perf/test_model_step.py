@@ -158,13 +158,11 @@ def plain_launches():
     the A/B of the PDL rows, in one process."""
     from kvcanary import driver
     rt = driver.runtime(0)
-    old, rt.pdl = rt.pdl, False
-    rt._configs.clear()
+    old, rt.pdl = rt.pdl, False  # the runtime's launch configs are keyed by their PDL flag
     try:
         yield
     finally:
         rt.pdl = old
-        rt._configs.clear()
 
 
 def canary_bytes(bs: int, ctx: int, sources: int) -> int:

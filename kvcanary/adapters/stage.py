@@ -89,7 +89,7 @@ class _Stager:
         views, wide = [], 0
         for i, (a, name, want) in enumerate(zip(arrays, self.INPUTS, ndims)):
             v = resolved(as_view(a, name=name))
-            if v.dtype.kind not in "iu" or v.dtype_name not in _INT:
+            if v.dtype_name not in _INT:
                 raise ValidationTypeError(f"kv-canary: {name} must be int32 or int64, got {v.dtype_name}. Fix: pass "
                                           f"the engine's own {name}")
             if v.ndim != want or (v.numel and v.strides[-1] != v.itemsize):
@@ -130,7 +130,7 @@ class VllmBatchStager(_Stager):
     counts the staging launches made."""
 
     KERNEL = "kvc_stage_vllm"
-    INPUTS = ("block_table", "seq_lens", "query_start_loc", "slot_mapping", "input_ids", "positions")
+    INPUTS = abi.STAGE_VLLM_INPUTS
     SCALARS = ("num_reqs", "num_tokens")
 
     def __init__(self, *, max_reqs: int, max_tokens: int, max_len: int, block_size: int, device: int = 0):
@@ -199,7 +199,7 @@ class PagedBatchStager(_Stager):
     rewrites the map entries its requests read. A step of more than ``max_reqs`` requests is refused.""" 
 
     KERNEL = "kvc_stage_paged"
-    INPUTS = ("cu_seq_lens_q", "cu_seq_lens_k", "read_index", "write_index", "input_ids", "position_ids")
+    INPUTS = abi.STAGE_PAGED_INPUTS
 
     def __init__(self, layout, *, max_reqs: int, max_tokens: int, max_writes: int, device: int = 0):
         self.layout = layout
@@ -214,6 +214,7 @@ class PagedBatchStager(_Stager):
                  expected_input_ids=None, expected_positions=None, stream=None) -> Batch:
         """The step's Batch, staged on ``stream``; ``max_len``: the step's longest request (cached +
         new tokens), which the map's columns must hold."""
+        max_len = integer("max_len", max_len, lo=0, fix="pass the step's longest request (cached + new tokens)")
         cols, b = 0 if self.req_to_token is None else self.req_to_token.shape[1], self.buffers
         tokens, writes = int(input_ids.shape[0]), int(write_index.shape[0])
         if max_len > cols or tokens > b["ids"].shape[0] or writes > b["loc"].shape[0]:

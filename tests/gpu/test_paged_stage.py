@@ -125,6 +125,19 @@ def test_a_step_of_more_requests_than_the_batch_is_refused():
     assert stager.launches == 0
 
 
+@pytest.mark.parametrize("max_len", [-1, 2.5, "600", None])
+def test_a_step_length_that_is_no_count_is_refused_before_any_allocation(max_len):
+    data, pending = step_data(21, 2)
+    stager = PagedBatchStager(LAYOUT, max_reqs=4, max_tokens=64, max_writes=64)
+    dev = as_device(data)
+    refused = (kc.ValidationError, kc.ValidationTypeError)
+    with pytest.raises(refused, match=r"kv-canary: max_len must be .*Fix: pass the step's longest request"):
+        stager(cu_q=dev["cu_seq_lens_q"], cu_k=dev["cu_seq_lens_k"], read_index=dev["read_index"][0],
+               write_index=dev["write_index"][0], input_ids=dev["input_ids"][0], positions=dev["position_ids"][0],
+               max_len=max_len)
+    assert stager.launches == 0 and stager.req_to_token is None
+
+
 def test_step_batches_stage_on_the_device_and_hand_over_torch_tensors(emulated_device, monkeypatch):
     """StepBatches with a device stages the step (one launch) and returns torch tensors over the
     stager's buffers, so callbacks read ``info.batch`` as they do from the torch path; the
