@@ -16,7 +16,8 @@ machine without a GPU never replaces them.
 ``--before OLD.json`` adds each row's measurement in that run, and, when both runs measured one
 operation per benchmark (harness 2: pytest-benchmark's stats are the operation's time), lists
 the benchmarks whose median grew by more than ``--regression`` percent (default 10), with their
-rows: the same test pytest-benchmark's ``--benchmark-compare-fail=median:10%`` makes.
+rows: the same test pytest-benchmark's ``--benchmark-compare-fail=median:10%`` makes, less the
+benchmarks whose same-run bounds grew as much (another lent machine: listed apart).
 Standalone: imports neither kvcanary nor the suite.
 """
 
@@ -114,35 +115,60 @@ def run_info(data: dict) -> dict:
     return {"harness": info.get("harness", 1), "gpu": info.get("gpu"), "no_gpu_reason": info.get("no_gpu_reason")}
 
 
-def medians(data: dict) -> dict[str, tuple[float, list[str]]]:
-    """fullname -> (median seconds, its row names) of the benchmarks that ran."""
+def medians(data: dict) -> dict[str, tuple[float, list[dict]]]:
+    """fullname -> (median seconds, its rows) of the benchmarks that ran."""
     out = {}
     for bench in data.get("benchmarks", []):
         median = (bench.get("stats") or {}).get("median")
         if median is not None:
-            rows = [r["name"] for r in (bench.get("extra_info") or {}).get("rows", [])]
-            out[bench.get("fullname", bench.get("name"))] = (median, rows)
+            out[bench.get("fullname", bench.get("name"))] = (median, (bench.get("extra_info") or {}).get("rows", []))
     return out
+
+
+def bound_change(new_rows: list[dict], old_rows: list[dict]) -> float | None:
+    """How many times slower a benchmark's same-run bounds were than in the earlier run: the median
+    of new / old bound over its rows of both runs timed in seconds against a bound of the same
+    name (the launch floor of a host row, a probe of a kernel row), or None without such a row.
+    Lent machines differ: a median that grew with its bound measured the host, not the code."""
+    old = {r["name"]: r for r in old_rows}
+    changes = sorted(r["bound"] / o["bound"] for r in new_rows if (o := old.get(r["name"])) is not None
+                     and r.get("unit") == o.get("unit") == "s" and r.get("bound_name") == o.get("bound_name")
+                     and (r.get("bound") or 0) > 0 and (o.get("bound") or 0) > 0)
+    return changes[len(changes) // 2] if changes else None
 
 
 def regressions(data: dict, old: dict, threshold_pct: float) -> tuple[list[str], list[str]]:
     """(lines for RESULTS.md, one line per regressed benchmark): benchmarks of both runs whose
-    median grew by more than ``threshold_pct`` percent. Empty, with a note, unless both runs
-    are harness 2 (before it, a benchmark's stats timed the whole measurement)."""
+    median grew by more than ``threshold_pct`` percent, also relative to their same-run bounds
+    (:func:`bound_change`); those whose bounds grew with them are listed apart, as the host's.
+    Empty, with a note, unless both runs are harness 2 (before it, a benchmark's stats timed the
+    whole measurement)."""
     if run_info(data)["harness"] < 2 or run_info(old)["harness"] < 2:
         return ["", f"No median comparison: the earlier run's pytest-benchmark stats are not per operation "
                     f"(harness {run_info(old)['harness']})."], []
     new_m, old_m = medians(data), medians(old)
     common = [name for name in new_m if name in old_m and old_m[name][0] > 0]
-    bad = []
+    bad, host = [], []
     for name in common:
-        change = (new_m[name][0] / old_m[name][0] - 1) * 100
-        if change > threshold_pct:
-            bad.append(f"regressed {change:+.1f}%: {name} (median {fmt(old_m[name][0], 's')} -> "
-                       f"{fmt(new_m[name][0], 's')}; rows: {'; '.join(new_m[name][1]) or '-'})")
+        grew = new_m[name][0] / old_m[name][0]
+        if (grew - 1) * 100 <= threshold_pct:
+            continue
+        rows = "; ".join(r["name"] for r in new_m[name][1]) or "-"
+        line = f"{(grew - 1) * 100:+.1f}%: {name} (median {fmt(old_m[name][0], 's')} -> {fmt(new_m[name][0], 's')}"
+        bounds = bound_change(new_m[name][1], old_m[name][1])
+        if bounds is None:
+            bad.append(f"regressed {line}; rows: {rows})")
+        elif (grew / bounds - 1) * 100 > threshold_pct:
+            bad.append(f"regressed {line}, {(grew / bounds - 1) * 100:+.1f}% against its same-run bound; rows: {rows})")
+        else:
+            host.append(f"slower {line}, its same-run bound {(bounds - 1) * 100:+.1f}%; rows: {rows})")
     lines = ["", f"## Benchmarks slower than the earlier run by more than {threshold_pct:g}% (median)", "",
              f"{len(bad)} of the {len(common)} benchmarks in both runs regressed."]
-    return lines + ([""] + [f"- {b}" for b in bad] if bad else []), bad
+    lines += ([""] + [f"- {b}" for b in bad]) if bad else []
+    if host:
+        lines += ["", f"{len(host)} more were slower, but by at most {threshold_pct:g}% against their bound measured "
+                      f"in the same run (the machine, not the code):", ""] + [f"- {h}" for h in host]
+    return lines, bad
 
 
 def plots(rows: list[dict], out_dir: Path) -> list[Path]:

@@ -139,3 +139,22 @@ def test_the_committed_baseline_is_never_a_cpu_run():
     data = json.loads(report.COMMITTED["json"].read_text())
     run = report.run_info(data)
     assert (run["gpu"] is None and run["harness"] == 1) or "H200" in (run["gpu"] or ""), run
+
+
+def test_a_slowdown_that_its_same_run_bound_shares_is_the_hosts_not_a_regression(tmp_path, capsys):
+    """Lent machines differ: a host row 20 % slower whose launch floor (measured in the same run) is
+    20 % slower too is listed apart; one whose floor stayed is a regression, with both changes."""
+    old = run_json(tmp_path, "old", [timed("t::host", 30e-6, [row("host path", 30e-6, 20e-6)]),
+                                     timed("t::code", 30e-6, [row("step", 30e-6, 20e-6)])], gpu="NVIDIA H200")
+    new = run_json(tmp_path, "new", [timed("t::host", 36e-6, [row("host path", 36e-6, 24e-6)]),
+                                     timed("t::code", 36e-6, [row("step", 36e-6, 20.4e-6)])], gpu="NVIDIA H200")
+    out = tmp_path / "R.md"
+    assert report.main([new, "--before", old, "--out", str(out), "--plots", str(tmp_path / "p")]) == 0
+    text = out.read_text().split("(median)")[1]
+    assert "1 of the 2 benchmarks in both runs regressed." in text
+    assert ("- regressed +20.0%: t::code (median 30 µs -> 36 µs, +17.6% against its same-run bound; rows: step)"
+            in text)
+    assert "1 more were slower, but by at most 10% against their bound measured in the same run" in text
+    assert "- slower +20.0%: t::host (median 30 µs -> 36 µs, its same-run bound +20.0%; rows: host path)" in text
+    printed = capsys.readouterr().out
+    assert "report: regressed +20.0%: t::code" in printed and "t::host" not in printed
