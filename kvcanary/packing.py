@@ -150,38 +150,40 @@ def _pointer_fields(params):
 
 
 def patch_map(launches, ptrs) -> list:
-    """(params struct, field name, argument index) of every pointer field of the launches' params
-    that holds an argument's address."""
+    """(the uint64 params field, argument index) of every pointer field of the launches' params
+    that holds an argument's address; the field is a ctypes view of the params' memory, so
+    setting its ``value`` patches the struct (twice as fast as ``setattr`` by name)."""
     where = {p: i for i, p in enumerate(ptrs) if p}
     out = []
     for launch in launches:
         for params, name in _pointer_fields(launch.params):
             i = where.get(getattr(params, name))
             if i is not None:
-                out.append((params, name, i))
+                out.append((ctypes.c_uint64.from_buffer(params, getattr(type(params), name).offset), i))
     return out
 
 
 class Packed:
     """One layout's launches, where the arguments' addresses go, and the addresses they hold."""
 
-    __slots__ = ("launches", "patches", "ptrs", "bounds", "names", "extra")
+    __slots__ = ("launches", "patches", "ptrs", "checks", "names", "extra")
 
     def __init__(self, launches, ptrs, bounds, names, extra=None):
-        self.launches, self.ptrs, self.bounds, self.names, self.extra = launches, ptrs, bounds, names, extra
+        self.launches, self.ptrs, self.names, self.extra = launches, ptrs, names, extra
         self.patches = patch_map(launches, ptrs)
+        # (index, low, high) of each argument whose elements occupy bytes: its new address is checked
+        self.checks = tuple((i, low, high) for i, (low, high) in enumerate(bounds) if high)
 
     def retarget(self, ptrs) -> None:
         """Point the launches at the arguments' new addresses (each checked first: a refused one
         leaves the launches as they were)."""
-        old, bounds = self.ptrs, self.bounds
-        for i, p in enumerate(ptrs):
-            if p != old[i]:
-                low, high = bounds[i]
-                if high and (p <= 0 or p + low < 0 or p + high > _ADDRESS_END):  # as check_address tests it
-                    check_address(self.names[i], p, bounds[i])
-        for params, name, i in self.patches:
-            setattr(params, name, ptrs[i])
+        old = self.ptrs
+        for i, low, high in self.checks:
+            p = ptrs[i]
+            if p != old[i] and (p <= 0 or p + low < 0 or p + high > _ADDRESS_END):  # as check_address tests it
+                check_address(self.names[i], p, (low, high))
+        for field, i in self.patches:
+            field.value = ptrs[i]
         self.ptrs = ptrs
 
 
