@@ -10,6 +10,8 @@ Launches go on ``stream`` or the default of :mod:`kvcanary.streams`.
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from . import packing
 from .plan import BATCH_FIELD_NAMES, Batch, StepPlan
 from .prepare import prepare_build_plan, prepare_fused_verify, prepare_verify, prepare_write
@@ -17,12 +19,15 @@ from .state import VerifyContext
 
 _PLAN_ARRAYS = ("offsets", "seed", "num_valid_reqs", "entry_offsets", "num_valid", "enable", "slot",
                 "expected_token", "expected_position", "prev_slot")
+_plan_arrays = attrgetter(*_PLAN_ARRAYS)  # the tuple of them, in one call
 
 
 def _plan_key(plan: StepPlan):
     """What a launch reads of ``plan`` (None: not keyable, never cached). The plan itself stays
     alive with every launch packed from it, so its id is not reused while an entry holds it."""
-    arrays = packing.state_key([getattr(plan, k) for k in _PLAN_ARRAYS])
+    arrays = _plan_arrays(plan)
+    if not packing.FIXED_STATE.issuperset(map(type, arrays)):  # an array of the caller's: by layout and address
+        arrays = packing.state_key(arrays)
     return None if arrays is None else (id(plan), plan.max_batch, plan.verify_capacity, plan.device, arrays)
 
 

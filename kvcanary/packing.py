@@ -226,13 +226,16 @@ class PackCache:
 
 
 # ---- the public ops (kvcanary.ops) called eagerly ---------------------------------------------------
+FIXED_STATE = frozenset({DeviceArray, type(None)})  # state arrays that key as themselves (state_key)
+
+
 def state_key(values) -> tuple | None:
     """Key of state arrays (a plan's): kvcanary's own DeviceArrays by identity (their address and
     layout are fixed for life; the key holds them), any other array by layout and address; None
     when one cannot be keyed."""
     out = []
     for v in values:
-        if v is None or type(v) is DeviceArray:
+        if type(v) in FIXED_STATE:
             out.append(v)
             continue
         lay, ptr = layout_key(v)
