@@ -66,13 +66,44 @@ __device__ __forceinline__ long long kvc_stage_slot(const KvcStagePagedParams& p
   return (index < 0 || offset >= p.page_size || slot >= p.num_slots) ? p.num_slots : slot;
 }
 
+// Physical cache index of position pos of request r in a decode-fast-path block table, whose entries
+// name pages (block * pages per block): entry * page_size + pos mod page_size; KVC_STAGE_NO_INDEX (no token)
+// for a position outside the table's columns.
+__device__ __forceinline__ long long kvc_stage_table_index(const KvcStagePagedParams& p, long long r, long long pos) {
+  if (pos < 0 || pos / p.page_size >= p.table_cols) return KVC_STAGE_NO_INDEX;
+  const long long blk = pos / p.page_size;
+  const long long entry = kvc_stage_load(p.block_table, r * p.table_stride + blk, p.wide, KVC_STAGE_PAGED_BLOCK_TABLE);
+  return (long long)((unsigned long long)entry * (unsigned long long)p.page_size
+                     + (unsigned long long)(pos - blk * p.page_size));  // wraps as the int64 ops do
+}
+
+// r = #{ m in [1, n] : cum[m] <= j } (binary search; cum is cu_q or cu_k), at most n - 1.
+__device__ __forceinline__ long long kvc_stage_request(const void* cum, int which, const KvcStagePagedParams& p,
+                                                       long long j) {
+  long long lo = 0, hi = p.num_reqs;
+  while (lo < hi) {
+    const long long mid = (lo + hi) / 2;
+    if (kvc_stage_load(cum, mid + 1, p.wide, which) <= j) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo < p.num_reqs - 1 ? lo : p.num_reqs - 1;
+}
+
 // One step of a paged engine given as cumulative query / key lengths and physical indices
 // (transformers continuous batching; the values of kvcanary.adapters.transformers_batch's torch
 // path): rows r + 1, extend = cu_q[r + 1] - cu_q[r], prefix = cu_k[r + 1] - cu_k[r] - extend, the
-// tokens' ids and positions widened, out_cache_loc the slots of write_index, and read index j
-// scattered into req_to_token row r + 1, column j - cu_k[r], where r is the number of cu_k[1..n]
-// at or below j (at most n - 1) and the column is clamped into the row: wrong lengths become wrong
-// slots, never an access outside the map. Grid-stride, any grid; never raises, never waits.
+// tokens' ids and positions widened, and
+// - without a block table: out_cache_loc[i] the slot of write_index[i], and read index j <
+//   cu_k[n] scattered into req_to_token row r + 1, column j - cu_k[r], where r =
+//   kvc_stage_request(cu_k, j) and the column is clamped into the row;
+// - with one (the decode fast path, where the kernel reads and writes the cache through it):
+//   req_to_token row r + 1, column c < cu_k[r + 1] - cu_k[r] (and < rtt_cols) the slot of position c
+//   of request r, and out_cache_loc[i] the slot of position prefix + i - cu_q[r] of request r =
+//   kvc_stage_request(cu_q, i).
+// Tokens past cu_q[n] are the padding of a static-shape batch (CUDA graphs, torch.compile): their
+// slot is KVC_SKIP_SLOT, and read indices past cu_k[n] (padding reads) are not scattered. Wrong
+// lengths become wrong slots, never an access outside the map. Grid-stride, any grid; never
+// raises, never waits.
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_stage_paged(const __grid_constant__ KvcStagePagedParams p) {
   KVC_AFTER_PREVIOUS_GRID();
   const long long stride = (long long)gridDim.x * blockDim.x, first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -89,17 +120,40 @@ extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_stage_paged(
     p.out_input_ids[i] = kvc_stage_load(p.input_ids, i, p.wide, KVC_STAGE_PAGED_INPUT_IDS);
     p.out_positions[i] = kvc_stage_load(p.positions, i, p.wide, KVC_STAGE_PAGED_POSITION_IDS);
   }
-  for (long long i = first; i < p.num_write; i += stride)
-    p.out_cache_loc[i] = kvc_stage_slot(p, kvc_stage_load(p.write_index, i, p.wide, KVC_STAGE_PAGED_WRITE_INDEX));
-  if (p.num_reqs <= 0) return;
-  for (long long j = first; j < p.num_read; j += stride) {
-    long long lo = 0, hi = p.num_reqs;  // r = #{ m in [1, n] : cu_k[m] <= j }, by binary search
-    while (lo < hi) {
-      const long long mid = (lo + hi) / 2;
-      if (kvc_stage_load(p.cu_k, mid + 1, p.wide, KVC_STAGE_PAGED_CU_SEQ_LENS_K) <= j) lo = mid + 1;
-      else hi = mid;
+  const long long n = p.num_reqs;
+  const long long total_q = n > 0 ? kvc_stage_load(p.cu_q, n, p.wide, KVC_STAGE_PAGED_CU_SEQ_LENS_Q) : 0;
+  const long long total_k = n > 0 ? kvc_stage_load(p.cu_k, n, p.wide, KVC_STAGE_PAGED_CU_SEQ_LENS_K) : 0;
+  for (long long i = first; i < p.num_write; i += stride) {
+    long long slot = KVC_SKIP_SLOT;
+    if (i < total_q) {
+      if (p.block_table == nullptr) {
+        slot = kvc_stage_slot(p, kvc_stage_load(p.write_index, i, p.wide, KVC_STAGE_PAGED_WRITE_INDEX));
+      } else {
+        const long long r = kvc_stage_request(p.cu_q, KVC_STAGE_PAGED_CU_SEQ_LENS_Q, p, i);
+        const long long q0 = kvc_stage_load(p.cu_q, r, p.wide, KVC_STAGE_PAGED_CU_SEQ_LENS_Q);
+        const long long q1 = kvc_stage_load(p.cu_q, r + 1, p.wide, KVC_STAGE_PAGED_CU_SEQ_LENS_Q);
+        const long long k0 = kvc_stage_load(p.cu_k, r, p.wide, KVC_STAGE_PAGED_CU_SEQ_LENS_K);
+        const long long k1 = kvc_stage_load(p.cu_k, r + 1, p.wide, KVC_STAGE_PAGED_CU_SEQ_LENS_K);
+        const long long pos = kvc_sub_wrap(kvc_sub_wrap(k1, k0), kvc_sub_wrap(q1, q0)) + kvc_sub_wrap(i, q0);
+        slot = kvc_stage_slot(p, kvc_stage_table_index(p, r, pos));
+      }
     }
-    const long long r = lo < p.num_reqs - 1 ? lo : p.num_reqs - 1;
+    p.out_cache_loc[i] = slot;
+  }
+  if (n <= 0) return;
+  if (p.block_table != nullptr) {
+    const long long cells = n * p.rtt_cols;
+    for (long long c = first; c < cells; c += stride) {
+      const long long r = c / p.rtt_cols, col = c - r * p.rtt_cols;
+      const long long len = kvc_sub_wrap(kvc_stage_load(p.cu_k, r + 1, p.wide, KVC_STAGE_PAGED_CU_SEQ_LENS_K),
+                                         kvc_stage_load(p.cu_k, r, p.wide, KVC_STAGE_PAGED_CU_SEQ_LENS_K));
+      if (col < len) p.req_to_token[(r + 1) * p.rtt_cols + col] = (int)kvc_stage_slot(p, kvc_stage_table_index(p, r, col));
+    }
+    return;
+  }
+  const long long reads = total_k < p.num_read ? total_k : p.num_read;
+  for (long long j = first; j < reads; j += stride) {
+    const long long r = kvc_stage_request(p.cu_k, KVC_STAGE_PAGED_CU_SEQ_LENS_K, p, j);
     const long long col = kvc_clamp(kvc_sub_wrap(j, kvc_stage_load(p.cu_k, r, p.wide, KVC_STAGE_PAGED_CU_SEQ_LENS_K)), 0, p.rtt_cols - 1);
     p.req_to_token[(r + 1) * p.rtt_cols + col] = (int)kvc_stage_slot(p, kvc_stage_load(p.read_index, j, p.wide, KVC_STAGE_PAGED_READ_INDEX));
   }

@@ -75,6 +75,7 @@ NO_POSITION = -1             # POSITION of a write's SLOT_OUT_OF_RANGE row for a
 SKIP_SLOT = -1               # a write entry's slot that stamps nothing (any negative; engines pad with -1)
 NO_RING_ROW = -1             # device-internal: kvc_record's ring index of a row not kept (its claim still counts)
 PLAN_DISABLED = -1           # device-internal: kvc_verify_begin's entry count of a disabled plan (any negative)
+STAGE_NO_INDEX = -1          # device-internal: stage.cu's physical index of a position outside a block table
 SEED_INVALID = -(1 << 63)    # WritePlan.seed of a request the plan builder rejected: + BatchField code
 INT32_MASK = 0xFFFFFFFF      # the low int32 of an int64 status cell (little-endian)
 FAIL_BITS_MASK = 0x7FFFFFFF  # FAIL_REASON_BITS holds reason bits in a non-negative int32
@@ -388,7 +389,8 @@ STAGE_VLLM_PARAMS = StructDecl("KvcStageVllmParams", (
 # One step of a paged engine given as cumulative query / key lengths and physical cache indices
 # (transformers continuous batching: kernels_src/stage.cu, kvcanary.adapters.transformers_batch),
 # staged like the vLLM step above: bit i of `wide`, input i of STAGE_PAGED_INPUTS (KVC_STAGE_PAGED_<NAME>).
-STAGE_PAGED_INPUTS = ("cu_seq_lens_q", "cu_seq_lens_k", "read_index", "write_index", "input_ids", "position_ids")
+STAGE_PAGED_INPUTS = ("cu_seq_lens_q", "cu_seq_lens_k", "read_index", "write_index", "input_ids", "position_ids",
+                      "block_table")
 STAGE_PAGED_PARAMS = StructDecl("KvcStagePagedParams", (
     _F("cu_q", "ptr:const void"),            # [num_reqs + 1] cumulative new tokens
     _F("cu_k", "ptr:const void"),            # [num_reqs + 1] cumulative cached + new tokens
@@ -396,6 +398,8 @@ STAGE_PAGED_PARAMS = StructDecl("KvcStagePagedParams", (
     _F("write_index", "ptr:const void"),     # [num_write] physical indices of the new tokens
     _F("input_ids", "ptr:const void"),       # [num_tokens]
     _F("positions", "ptr:const void"),       # [num_tokens]
+    _F("block_table", "ptr:const void"),     # NULL, or [num_reqs, table_cols] page entries (the decode fast
+                                             # path: read_index / write_index unused)
     _F("rows", "ptr:long long"),             # out [num_reqs]: request-pool row r + 1
     _F("prefix_lens", "ptr:long long"),      # out [num_reqs]: key length - query length
     _F("extend_lens", "ptr:long long"),      # out [num_reqs]: query length
@@ -411,6 +415,8 @@ STAGE_PAGED_PARAMS = StructDecl("KvcStagePagedParams", (
     _F("block_stride", "i64"),               # physical rows per block (> 0)
     _F("page_size", "i64"),                  # tokens per page
     _F("num_slots", "i64"),                  # the slot of an index that names no token
+    _F("table_stride", "i64"),               # block_table elements per row
+    _F("table_cols", "i64"),                 # block_table entries per row
     _F("wide", "i32"),
     _F("_pad", "i32"),
 ))
@@ -543,7 +549,7 @@ def constants() -> dict[str, int]:
         "KVC_WIDE_HASH_BYTES": WIDE_HASH_BYTES, "KVC_STRIP_PIECE_BYTES": STRIP_PIECE_BYTES,
         "KVC_STRIP_BATCH": STRIP_BATCH, "KVC_WIDE_PIECES": WIDE_PIECES, "KVC_WIDE_DEPTH": WIDE_DEPTH,
         "KVC_FULL_MASK": FULL_MASK, "KVC_NO_SLOT": NO_SLOT, "KVC_NO_REQUEST": NO_REQUEST,
-        "KVC_NO_POSITION": NO_POSITION, "KVC_SKIP_SLOT": SKIP_SLOT,
+        "KVC_NO_POSITION": NO_POSITION, "KVC_SKIP_SLOT": SKIP_SLOT, "KVC_STAGE_NO_INDEX": STAGE_NO_INDEX,
         "KVC_NO_RING_ROW": NO_RING_ROW, "KVC_PLAN_DISABLED": PLAN_DISABLED,
         "KVC_SWA_UNMAPPED": SWA_UNMAPPED, "KVC_PREV_ON_PADDING": PREV_ON_PADDING,
         "KVC_SEED_INVALID": SEED_INVALID, "KVC_INT32_MASK": INT32_MASK, "KVC_FAIL_BITS_MASK": FAIL_BITS_MASK,

@@ -32,6 +32,9 @@ from kvcanary.adapters import TransformersCanary  # noqa: E402
 
 PAGE = 16
 VOCAB = 512
+# The engine's configuration the scenarios generate with (the plain one: no CUDA graphs, no async batching,
+# no decode fast path). The GPU tier runs the same scenarios with the engine's fast settings on.
+CONFIG: dict = dict(use_cuda_graph=False, use_async_batching=False, max_blocks_per_request=0)
 
 
 def make_model(device: str, **config):
@@ -54,13 +57,13 @@ def make_prompts(n: int, seed: int, longest: int = 90) -> list[list[int]]:
 
 
 def generate(model, prompts, *, max_new_tokens: int, canary: TransformersCanary | None = None, num_blocks=512,
-             max_requests=16):
+             max_requests=16, **config):
     gen = transformers.GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=-1)
     cb = transformers.ContinuousBatchingConfig(
         page_size=PAGE, num_blocks=num_blocks, max_batch_tokens=64, max_requests_per_batch=max_requests,
-        use_cuda_graph=False, use_async_batching=False, max_blocks_per_request=0)
+        **{**CONFIG, **config})
     with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # the canary had nothing to turn off
+        warnings.simplefilter("error", RuntimeWarning)  # the canary changes nothing and warns of nothing
         if canary is None:
             out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
         else:
@@ -108,24 +111,31 @@ class Log:
 
 
 class Schedule:
-    """Records what the engine asks of every forward — the positions of the batch's tokens and the
-    cache rows they are written to — by wrapping ``model.forward`` on the instance. Equal records
-    mean the engine scheduled the same requests into the same blocks, step by step."""
+    """Records what the engine asks of every batch it prepares — each scheduled request's id, cached
+    length, new tokens and the cache blocks it holds — by wrapping ``ContinuousBatchingIOs.
+    prepare_batch_tensors`` on the class (async batching prepares through it too; the canary wraps
+    instances, over this). Equal records mean the engine scheduled the same requests into the same
+    blocks, batch by batch, with or without CUDA graphs."""
 
     def __init__(self, model):
         self.model, self.steps = model, []
 
     def __enter__(self):
-        forward = self.model.forward
+        from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
+        self.cls, self.original = ContinuousBatchingIOs, ContinuousBatchingIOs.prepare_batch_tensors
+        original, steps = self.original, self.steps
 
-        def recording_forward(*args, **kwargs):
-            self.steps.append((kwargs["position_ids"].tolist(), kwargs["write_index"][0].tolist()))
-            return forward(*args, **kwargs)
-        self.model.forward = recording_forward
+        def recording(io, requests_in_batch, *args, **kwargs):
+            noted = [(f.state.request_id, f.state.position_offset, f.query_length) for f in requests_in_batch]
+            out = original(io, requests_in_batch, *args, **kwargs)
+            blocks = io.cache.cache_allocators["full_attention"].block_table
+            steps.append([(*n, tuple(blocks.get(n[0], ()))) for n in noted])
+            return out
+        self.cls.prepare_batch_tensors = recording
         return self
 
     def __exit__(self, *exc):
-        del self.model.forward
+        self.cls.prepare_batch_tensors = self.original
 
 
 def report(name: str, tc: TransformersCanary, extra: dict | None = None) -> dict:
@@ -255,15 +265,19 @@ def corrupted_read_index(device):
 
 
 def wrong_input_token(device):
+    """Under async batching a decoding request's token is carried over on the device from the
+    previous batch's output (the host cannot know it yet), so there a chunked prefill's token is
+    corrupted instead."""
     model = make_model(device)
     hit = {}
+    carried = bool(CONFIG.get("use_async_batching"))
 
     def before(info):  # the model reads a different token than the request's history holds
-        if hit or info.step < 12:
+        if hit or info.step < (1 if carried else 12):
             return
         offset = 0
         for rid, past, q in info.requests:
-            if q == 1 and past > PAGE:
+            if (q > 1 and past >= PAGE) if carried else (q == 1 and past > PAGE):
                 ids = info.batch_data["input_ids"]
                 good = int(ids[0, offset])
                 ids[0, offset] = (good + 1) % VOCAB
@@ -284,10 +298,63 @@ def wrong_input_token(device):
         assert (d["stored_token"], d["expected_token"], d["position"]) == (hit["bad"], hit["good"], hit["position"])
 
 
-SCENARIOS = [clean_generation, small_pool_same_tokens, corrupted_kv_byte, corrupted_read_index, wrong_input_token]
+def overwritten_block(device):
+    """An engine bug writes one request's new token into another request's cached block (request B's
+    write index names a slot of request A's second page): reported in that step, at A's slot."""
+    model = make_model(device)
+    hit = {}
+
+    def before(info):
+        if hit or info.step < 12:
+            return
+        decoding = [(i, rid, past) for i, (rid, past, q) in enumerate(info.requests) if q == 1]
+        victims = [(rid, past) for _, rid, past in decoding if past >= 2 * PAGE + 4]
+        if len(decoding) < 2 or not victims:
+            return
+        a, _ = victims[0]
+        b_index = next(i for i, rid, _ in decoding if rid != a)
+        at = sum(q for _, _, q in info.requests[:b_index])  # B's token in the step's write index
+        alloc = allocator(info)
+        info.batch_data["write_index"][0][at] = physical_index(alloc, a, PAGE + 3)
+        sync()
+        hit.update(step=info.step, victim=a, slot=canary_slot(alloc, a, PAGE + 3))
+
+    tc = TransformersCanary(model, before_step=before)
+    generate(model, make_prompts(12, seed=7), max_new_tokens=24, canary=tc)
+    report(f"overwritten block {device}", tc, hit)
+    by_step = detections_by_step(tc)
+    assert hit and min(by_step) == hit["step"], "the overwrite must be reported in the step it happened"
+    assert hit["slot"] in {d["slot_idx"] for d in by_step[hit["step"]]}
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__)
+SCENARIOS = [clean_generation, small_pool_same_tokens, corrupted_kv_byte, corrupted_read_index, wrong_input_token,
+             overwritten_block]
+
+
+def compiled_same_tokens(device):
+    """torch.compile on (``default_compile_level=1``, the one speed setting a CPU user has; on CUDA the
+    same padding as CUDA graphs): every step is padded to a static shape, and the padding tokens write
+    to the engine's write-trash block. The canary keeps the compile config, reports nothing on a
+    clean run with shared prefixes and block reuse, and the tokens equal the same compiled run
+    without it (the canary used to drop the compile config, which changed 8 of 12 bf16 requests'
+    tokens, and with the config kept refused every padded batch)."""
+    model = make_model(device)
+    prompts = make_prompts(12, seed=8, longest=40)
+    config = dict(default_compile_level=1, num_blocks=24)
+    plain = generate(model, prompts, max_new_tokens=12, **config)
+    padded = []
+    tc = TransformersCanary(model, layers="all",
+                            after_step=lambda info: padded.append(int(info.batch.out_cache_loc.shape[0])
+                                                                  - sum(q for _, _, q in info.requests)))
+    guarded = generate(model, prompts, max_new_tokens=12, canary=tc, **config)
+    s = report(f"compiled {device}", tc, {"padded_steps": sum(p > 0 for p in padded)})
+    assert tc.detections == []
+    assert guarded == plain, "attaching the canary changed the compiled run's tokens"
+    assert sum(p > 0 for p in padded) >= 3, "expected padded (static-shape) steps"
+    assert s["prefix_shared_tokens"] >= PAGE and s["verified_slots"] > 1000
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS + [compiled_same_tokens], ids=lambda f: f.__name__)
 def test_transformers_cpu(scenario):
     scenario("cpu")
 
@@ -343,14 +410,36 @@ def test_a_changed_cache_layout_is_an_error_naming_the_attribute():
         transformers_layout.PagedLayout(SimpleNamespace(key_cache=[]))
 
 
-def test_turned_off_modes_warn():
-    model = make_model("cpu")
+def resolved_config(model, **config):
     gen = transformers.GenerationConfig(max_new_tokens=2, do_sample=False, eos_token_id=-1)
     cb = transformers.ContinuousBatchingConfig(page_size=PAGE, num_blocks=64, max_batch_tokens=64,
-                                               max_requests_per_batch=4, use_async_batching=True,
-                                               cpu_offload_space=0.5)
+                                               max_requests_per_batch=4, **config)
+    manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
+    return manager.continuous_batching_config
+
+
+def test_the_engines_fast_settings_are_left_as_the_user_set_them():
+    """Catches an adapter that turns the engine's speed settings off behind the user's back (the
+    canary used to drop CUDA graphs, async batching, the decode fast path and torch.compile)."""
+    model = make_model("cpu")
+    fast = dict(use_async_batching=True, use_cuda_graph=True, max_blocks_per_request=8, default_compile_level=1)
+    plain = resolved_config(model, **fast)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about
+        with TransformersCanary(model):
+            guarded = resolved_config(model, **fast)
+    keys = ("use_async_batching", "use_cuda_graph", "max_blocks_per_request", "cpu_offload_space")
+    assert {k: getattr(guarded, k) for k in keys} == {k: getattr(plain, k) for k in keys}
+    assert guarded.use_async_batching is True and guarded.varlen_compile_config is not None
+    assert repr(guarded.varlen_compile_config) == repr(plain.varlen_compile_config)
+    assert repr(guarded.decode_compile_config) == repr(plain.decode_compile_config)
+
+
+@pytest.mark.parametrize("space", [0.5, None])
+def test_cpu_offloading_is_refused_naming_the_setting_and_the_fix(space):
+    """Offloaded KV comes back in other blocks without its canary records: refused, never turned off."""
+    model = make_model("cpu")
     with TransformersCanary(model):
-        with pytest.warns(RuntimeWarning, match="turning off async batching, CPU offloading"):
-            manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
-    cfg = manager.continuous_batching_config
-    assert (cfg.use_async_batching, cfg.max_blocks_per_request, cfg.cpu_offload_space) == (False, 0, 0.0)
+        with pytest.raises(kc.ValidationError, match=r"kv-canary: .*CPU offloading.*cpu_offload_space="
+                                                      + re.escape(repr(space)) + r".*fix: .*cpu_offload_space=0\.0"):
+            resolved_config(model, cpu_offload_space=space)

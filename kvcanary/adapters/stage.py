@@ -45,6 +45,7 @@ class _Stager:
 
     KERNEL = ""
     INPUTS: tuple[str, ...] = ()
+    OPTIONAL: frozenset = frozenset()  # inputs that may be None (a NULL pointer for the kernel)
     SCALARS: tuple[str, ...] = ()
 
     def __init__(self, device: int, sizes: dict):
@@ -88,6 +89,9 @@ class _Stager:
         """The validated views of the engine's arrays and the kernel's int64 bit mask."""
         views, wide = [], 0
         for i, (a, name, want) in enumerate(zip(arrays, self.INPUTS, ndims)):
+            if a is None and name in self.OPTIONAL:
+                views.append(None)
+                continue
             v = resolved(as_view(a, name=name))
             if v.dtype_name not in _INT:
                 raise ValidationTypeError(f"kv-canary: {name} must be int32 or int64, got {v.dtype_name}. Fix: pass "
@@ -190,8 +194,11 @@ class VllmBatchStager(_Stager):
 class PagedBatchStager(_Stager):
     """Persistent device buffers of the Batch of a paged engine whose step is given as cumulative
     query / key lengths (``cu_q``, ``cu_k``: ``[n + 1]``), the physical cache indices each request
-    reads (``read_index``, request by request) and writes (``write_index``), and the tokens' ids
-    and positions (transformers continuous batching; module docstring). ``layout`` maps physical
+    reads (``read_index``, request by request) and writes (``write_index``), or instead a block
+    table of page entries (``block_table``, ``[n, cols]``: transformers' decode fast path), and the
+    tokens' ids and positions (transformers continuous batching; module docstring). Tokens past
+    ``cu_q[n]`` and reads past ``cu_k[n]`` are a static-shape batch's padding (CUDA graphs,
+    torch.compile): their slot is -1 and the map keeps no trace of them. ``layout`` maps physical
     indices to canary slots (``stride``, ``page_size``, ``num_slots``, as
     :class:`~.transformers_layout.PagedLayout`). The int32 ``req_to_token`` map (``max_reqs + 1``
     rows, 256 columns or the first step's ``max_len``) grows, doubling, when a step's longest
@@ -200,6 +207,7 @@ class PagedBatchStager(_Stager):
 
     KERNEL = "kvc_stage_paged"
     INPUTS = abi.STAGE_PAGED_INPUTS
+    OPTIONAL = frozenset({"block_table"})
 
     def __init__(self, layout, *, max_reqs: int, max_tokens: int, max_writes: int, device: int = 0):
         self.layout = layout
@@ -211,15 +219,16 @@ class PagedBatchStager(_Stager):
         self.map_rows, self.req_to_token = max_reqs + 1, None  # the map: allocated by the first step
 
     def __call__(self, *, cu_q, cu_k, read_index, write_index, input_ids, positions, max_len: int,
-                 expected_input_ids=None, expected_positions=None, stream=None) -> Batch:
+                 block_table=None, expected_input_ids=None, expected_positions=None, stream=None) -> Batch:
         """The step's Batch, staged on ``stream``; ``max_len``: the step's longest request (cached +
-        new tokens), which the map's columns must hold."""
+        new tokens), which the map's columns must hold; ``block_table`` (or None): page entries
+        ``[n, cols]`` that replace ``read_index`` / ``write_index``."""
         max_len = integer("max_len", max_len, lo=0, fix="pass the step's longest request (cached + new tokens)")
         cols, b = 0 if self.req_to_token is None else self.req_to_token.shape[1], self.buffers
         tokens, writes = int(input_ids.shape[0]), int(write_index.shape[0])
         if max_len > cols or tokens > b["ids"].shape[0] or writes > b["loc"].shape[0]:
             self._grow(max_len, tokens, writes)
-        return self._stage((cu_q, cu_k, read_index, write_index, input_ids, positions), (), stream,
+        return self._stage((cu_q, cu_k, read_index, write_index, input_ids, positions, block_table), (), stream,
                            expected_input_ids, expected_positions)
 
     def _grow(self, max_len: int, tokens: int, writes: int) -> None:
@@ -243,8 +252,8 @@ class PagedBatchStager(_Stager):
                      positions=v("pos", t, s), out_cache_loc=v("loc", w, s))
 
     def _pack(self, arrays):
-        views, wide = self._inputs(arrays, (1, 1, 1, 1, 1, 1))
-        cu_q, cu_k, read, write, ids, pos = views
+        views, wide = self._inputs(arrays, (1, 1, 1, 1, 1, 1, 2))
+        cu_q, cu_k, read, write, ids, pos, table = views
         n, rtt = cu_q.shape[0] - 1, self.req_to_token
         if n < 0 or cu_k.shape[0] != n + 1:
             raise ValidationError(f"kv-canary: cu_seq_lens_q and cu_seq_lens_k must hold num_reqs + 1 offsets each, "
@@ -259,6 +268,12 @@ class PagedBatchStager(_Stager):
             req_to_token=rtt.ptr, out_input_ids=b["ids"], out_positions=b["pos"], out_cache_loc=b["loc"],
             rtt_cols=rtt.shape[1], num_reqs=n, num_read=read.shape[0], num_write=write.shape[0], num_tokens=t,
             block_stride=lay.stride, page_size=lay.page_size, num_slots=lay.num_slots, wide=wide)
-        launch = self._launch(p, max(n, t, write.shape[0], read.shape[0]))
+        if table is not None:
+            if table.shape[0] < n:
+                raise ValidationError(f"kv-canary: block_table must have a row per request (>= {n}), got shape "
+                                      f"{table.shape}. Fix: pass the step's block table (the model's block_table[0])")
+            p.block_table, p.table_cols = table.ptr, table.shape[1]
+            p.table_stride = table.strides[0] // table.itemsize
+        launch = self._launch(p, max(n, t, write.shape[0], read.shape[0], n * rtt.shape[1] if table is not None else 0))
         launch.keep = (launch.keep, rtt)
         return launch, (n, t, write.shape[0])

@@ -27,8 +27,8 @@ layers all use full attention (one cache allocator), one generation at a time; f
 
 from __future__ import annotations
 
-import warnings
 from contextlib import nullcontext
+from time import perf_counter
 from dataclasses import dataclass
 
 from ..errors import ValidationError, ValidationTypeError
@@ -110,6 +110,10 @@ class TransformersCanary:
         self._finished: list[dict] = []   # final stats of canaries of earlier sessions
         self._pending = Scheduled()
         self._batches: StepBatches | None = None
+        # host seconds the canary spent: building a session's canary; per step, the notes taken after
+        # prepare_batch_tensors, the step's Batch (staging, expected tokens), HEAD and TAIL (callbacks
+        # excluded); and flushing it
+        self.host_seconds = dict.fromkeys(("attach", "notes", "batch", "head", "tail", "finish"), 0.0)
 
     # ---- attach / detach ---------------------------------------------------------------------------
     def __enter__(self) -> "TransformersCanary":
@@ -150,19 +154,13 @@ class TransformersCanary:
             raise ValidationError(f"kv-canary: TransformersCanary supports one sequence per request, got "
                                   f"num_return_sequences={forks} (forks copy KV blocks without their canary "
                                   f"records); fix: generate with num_return_sequences=1")
-        cfg = manager.continuous_batching_config
-        off = [name for name, on in (("CUDA graphs", any(cfg.cuda_graph_booleans)),
-                                     ("async batching", cfg.use_async_batching),
-                                     ("the flash decode fast path", cfg.max_blocks_per_request),
-                                     ("torch.compile", cfg.varlen_compile_config or cfg.decode_compile_config),
-                                     ("CPU offloading", cfg.cpu_offload_space))
-               if on]
-        if off:
-            warnings.warn(f"kv-canary: turning off {', '.join(off)} for continuous batching: the canary "
-                          f"checks every step from Python", RuntimeWarning, stacklevel=3)
-        cfg.use_cuda_graph, cfg.use_async_batching, cfg.max_blocks_per_request = (False, False), False, 0
-        cfg.varlen_compile_config = cfg.decode_compile_config = None
-        cfg.cpu_offload_space = 0.0
+        offload = manager.continuous_batching_config.cpu_offload_space
+        if offload is None or offload > 0:
+            raise ValidationError(f"kv-canary: TransformersCanary cannot follow KV blocks that CPU offloading moves "
+                                  f"(their canary records stay at the old blocks, so a restored request would be "
+                                  f"reported as corrupted), got cpu_offload_space={offload!r}; fix: "
+                                  f"ContinuousBatchingConfig(cpu_offload_space=0.0), the default (a request that "
+                                  f"does not fit is then recomputed instead of restored)")
         if "_create_batch_processor" in vars(manager):
             return
         original = manager._create_batch_processor
@@ -175,35 +173,53 @@ class TransformersCanary:
         self._patch(manager, "_create_batch_processor", create_batch_processor)
 
     def _attach_processor(self, processor) -> None:
+        self.finish()
+        t0 = perf_counter()
         cache = processor.cache
         layout = PagedLayout(cache)
-        self.finish()
         k, v = layout.sources(self.layers)
         dev = cache.cache_tensor.device
         device = None if dev.type == "cpu" else (dev.index if dev.index is not None else 0)
-        io = processor.inputs_and_outputs
+        io, runner = processor.inputs_and_outputs, processor.model_runner
         self.canary = KvCanary(PoolGroup(layout.num_slots, k, v), device=device, hash_mode=self.hash_mode,
-                               mode=self.mode, max_batch=io.max_requests_per_batch, export=self._record,
-                               **self.kvcanary_kwargs)
+                               mode=self.mode, max_batch=processor.cb_config.max_requests_per_batch,
+                               export=self._record, **self.kvcanary_kwargs)
         self.cache, self.layout = cache, layout
         self._batches = StepBatches(layout, self.canary.plans["FULL"].max_batch + 1,
                                     device if self.stage_on_device else None,
                                     int(getattr(cache, "max_batch_tokens", 256)))
         processor._kvcanary = self
-        prepare, compute = io.prepare_batch_tensors, processor.model_runner.compute_batch
+        prepare, compute, warmup = io.prepare_batch_tensors, runner.compute_batch, runner.warmup
+        # Async batching (two IO pairs): a decoding request's newest token is the previous batch's output,
+        # which the forward carries over into input_ids on the device (its first op, in the graph).
+        carry = getattr(io, "carry_over_tokens", None) if hasattr(io, "io_pairs") else None
+        warming = [False]
 
         def prepare_batch_tensors(requests_in_batch, *args, **kwargs):
             prepare(requests_in_batch, *args, **kwargs)
-            self._note_requests(requests_in_batch)
+            if not warming[0]:
+                self._note_requests(requests_in_batch)
 
         def compute_batch(model, batch_data):
-            self._step(compute, model, batch_data, io.compute_stream)
+            if warming[0]:  # the engine's warm-up: made-up requests in the cache's blocks, freed after
+                return compute(model, batch_data)
+            self._step(compute, model, batch_data, io, carry)
+
+        def warm_up(*args, **kwargs):
+            warming[0] = True
+            try:
+                return warmup(*args, **kwargs)
+            finally:
+                warming[0] = False
         self._patch(io, "prepare_batch_tensors", prepare_batch_tensors)
-        self._patch(processor.model_runner, "compute_batch", compute_batch)
+        self._patch(runner, "compute_batch", compute_batch)
+        self._patch(runner, "warmup", warm_up)
+        self.host_seconds["attach"] += perf_counter() - t0
 
     # ---- per step ----------------------------------------------------------------------------------
     def _note_requests(self, requests_in_batch) -> None:
         """After ``prepare_batch_tensors`` (which advanced each ``position_offset`` by the query)."""
+        t0 = perf_counter()
         p = Scheduled()
         for future in requests_in_batch:
             state, q = future.state, future.query_length
@@ -213,26 +229,39 @@ class TransformersCanary:
             self.requests.add(state.request_id)
             p.requests.append((state.request_id, past, q))
             p.states.append(state)
-            p.ids.extend(tokens(state, past, q))
+            ids = tokens(state, past, q)
+            p.unknown += ids.count(-1)
+            p.ids.extend(ids)
             p.positions.extend(range(past, past + q))
             p.max_len = max(p.max_len, past + q)
         self._pending = p
+        self.host_seconds["notes"] += perf_counter() - t0
 
-    def _step(self, compute, model, batch_data, stream) -> None:
+    def _step(self, compute, model, batch_data, io, carry) -> None:
         import torch  # on first use: torch stays optional (import kvcanary.adapters never imports it)
         pending = self._pending
         info = StepInfo(self.steps, pending.requests, pending.states, batch_data, self.cache)
         if self.before_step is not None:
             self.before_step(info)
+        t0 = perf_counter()
+        stream = io.compute_stream
         scope = (lambda: torch.cuda.stream(stream)) if stream is not None else nullcontext
-        if stream is not None:  # the inputs were filled on the current stream: order the step after them
+        if stream is not None and carry is None:  # sync: the inputs were filled on the current stream
             stream.wait_stream(torch.cuda.current_stream(stream.device))
         with scope():
+            if carry is not None:  # what the forward's first op does (again, the same values), so HEAD sees them
+                carry_ids, prev_output_ids, _ = io.get_cb_kwargs()
+                carry(batch_data["input_ids"], carry_ids, prev_output_ids)
             info.batch = self._batches.batch(batch_data, pending, self.check_inputs)
+            t1 = perf_counter()
             self.canary.before_forward(info.batch, stream=stream)
+        t2 = perf_counter()
         compute(model, batch_data)
+        t3 = perf_counter()
         with scope():
             self.canary.after_forward(info.batch, stream=stream)
+        hs = self.host_seconds
+        hs["batch"], hs["head"], hs["tail"] = hs["batch"] + t1 - t0, hs["head"] + t2 - t1, hs["tail"] + perf_counter() - t3
         if self.after_step is not None:
             self.after_step(info)
         self.step_log.append({"step": self.steps, "requests": len(pending.requests),
@@ -249,9 +278,11 @@ class TransformersCanary:
         """Wait for the canary's outstanding reports (synchronises), keep its final numbers and let
         it go (with it the references that keep this session's KV cache alive)."""
         if self.canary is not None:
+            t0 = perf_counter()
             self.canary.flush()
             self._finished.append(self.canary.stats())
             self.canary = None
+            self.host_seconds["finish"] += perf_counter() - t0
 
     def summary(self) -> dict:
         """Requests, steps, verified slots, protected tokens, detections and the prefix-shared tokens

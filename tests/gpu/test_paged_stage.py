@@ -30,31 +30,49 @@ FIELDS = ("req_pool_indices", "prefix_lens", "extend_lens", "req_to_token", "inp
           "out_cache_loc")
 
 
-def step_data(seed: int, n: int, *, longest: int = 40, hostile: bool = False):
-    """(model inputs as numpy, the host's notes) of one step of n requests."""
+def step_data(seed: int, n: int, *, longest: int = 40, hostile: bool = False, pad: int = 0, table: bool = False):
+    """(model inputs as numpy, the host's notes) of one step of n requests. ``pad`` > 0: the step is
+    padded to a static shape as transformers pads it for CUDA graphs and torch.compile (``pad``
+    requests of no tokens, their cumulative lengths a plateau; ``2 * pad`` padding tokens writing to
+    the write-trash block; padding reads of the read-trash index 0). ``table``: a decode-fast-path
+    step (one new token per request) given by a block table of page entries (block * pages per
+    block, -1 past a request's blocks); its read index is empty and its write index stale."""
     rng = np.random.default_rng(seed)
     past = rng.integers(0, longest, n)
-    query = rng.integers(1, 6, n)
+    query = np.ones(n, np.int64) if table else rng.integers(1, 6, n)
     lens = past + query
-    phys = []
+    phys, owned = [], []
     for L in lens:  # a request's tokens: page offsets of random blocks
         blocks = rng.choice(BLOCKS, -(-int(L) // PAGE), replace=False)
         pos = np.arange(L)
+        owned.append(blocks)
         phys.append(blocks[pos // PAGE] * LAYOUT.stride + pos % PAGE)
     read = np.concatenate(phys)
     write = np.concatenate([p[-q:] for p, q in zip(phys, query)])
+    cols = max(len(b) for b in owned) + 1
+    block_table = np.full((n + pad, cols), -1, np.int64)
+    for r, blocks in enumerate(owned):
+        block_table[r, :len(blocks)] = blocks * (LAYOUT.stride // PAGE)
     if hostile:
-        for arr in (read, write):
+        for arr in (read, write, block_table):
             bad = rng.random(arr.shape) < 0.15
             arr[bad] = rng.choice([-5, PAGE + 1, BLOCKS * LAYOUT.stride + 3, 2**35])
-    wide = rng.integers(0, 2, 6).astype(bool)
+    wide = rng.integers(0, 2, 7).astype(bool)
     dt = [np.int64 if w else np.int32 for w in wide]
-    t = int(query.sum())
-    data = dict(cu_seq_lens_q=np.concatenate([[0], np.cumsum(query)]).astype(dt[0]),
-                cu_seq_lens_k=np.concatenate([[0], np.cumsum(lens)]).astype(dt[1]),
+    cu_q = np.concatenate([[0], np.cumsum(query), np.full(pad, query.sum())])
+    cu_k = np.concatenate([[0], np.cumsum(lens), np.full(pad, lens.sum())])
+    t = int(query.sum()) + 2 * pad
+    positions = np.concatenate([np.arange(p, p + q) for p, q in zip(past, query)] + [np.zeros(2 * pad, np.int64)])
+    write = np.concatenate([write, np.full(2 * pad, LAYOUT.stride)])  # the write-trash block: a real slot
+    read = np.concatenate([read, np.zeros(3 * pad, np.int64)])
+    if table:
+        read, write = read[:0], rng.integers(0, BLOCKS * LAYOUT.stride, t)
+    data = dict(cu_seq_lens_q=cu_q.astype(dt[0]), cu_seq_lens_k=cu_k.astype(dt[1]),
                 read_index=[read.astype(dt[2])], write_index=[write.astype(dt[3])],
                 input_ids=rng.integers(0, 1 << 20, (1, t)).astype(dt[4]),
-                position_ids=np.concatenate([np.arange(p, p + q) for p, q in zip(past, query)])[None].astype(dt[5]))
+                position_ids=positions[None].astype(dt[5]))
+    if table:
+        data["block_table"] = block_table[None].astype(dt[6])
     return data, Scheduled(max_len=int(lens.max()))
 
 
@@ -65,9 +83,7 @@ def as_torch(data):
 def as_device(data):
     out = {}
     for k, x in data.items():
-        if isinstance(x, list):
-            out[k] = [memory.to_device(x[0])]
-        elif x.ndim == 2:  # [1, T]: the stager takes row 0, a view
+        if isinstance(x, list) or x.ndim > 1:  # [1, T] and [groups, n, cols]: the stager takes element 0
             out[k] = [memory.to_device(x[0])]
         else:
             out[k] = memory.to_device(x)
@@ -75,9 +91,10 @@ def as_device(data):
 
 
 def staged(stager, dev, pending):
+    table = dev.get("block_table")
     return stager(cu_q=dev["cu_seq_lens_q"], cu_k=dev["cu_seq_lens_k"], read_index=dev["read_index"][0],
                   write_index=dev["write_index"][0], input_ids=dev["input_ids"][0], positions=dev["position_ids"][0],
-                  max_len=pending.max_len)
+                  max_len=pending.max_len, block_table=None if table is None else table[0])
 
 
 def read(stager, batch) -> dict:
@@ -88,10 +105,14 @@ def read(stager, batch) -> dict:
                 out_cache_loc=b["loc"].numpy()[:w], req_to_token=stager.req_to_token.numpy())
 
 
-@pytest.mark.parametrize("seed,n,longest,hostile", [(0, 1, 10, False), (1, 6, 40, False), (2, 6, 40, True),
-                                                    (3, 15, 300, False), (4, 15, 300, True)])
-def test_staged_step_equals_the_torch_path(seed, n, longest, hostile):
-    data, pending = step_data(seed, n, longest=longest, hostile=hostile)
+STEPS = [(0, 1, 10, False, 0), (1, 6, 40, False, 0), (2, 6, 40, True, 0), (3, 15, 300, False, 0),
+         (4, 15, 300, True, 0), (5, 4, 40, False, 3), (6, 9, 300, True, 6), (7, 1, 33, False, 14)]
+
+
+@pytest.mark.parametrize("table", [False, True], ids=["indices", "block-table"])
+@pytest.mark.parametrize("seed,n,longest,hostile,pad", STEPS)
+def test_staged_step_equals_the_torch_path(seed, n, longest, hostile, pad, table):
+    data, pending = step_data(seed, n, longest=longest, hostile=hostile, pad=pad, table=table)
     reference = StepBatches(LAYOUT, 16).batch(as_torch(data), pending, check_inputs=False)
     stager = PagedBatchStager(LAYOUT, max_reqs=15, max_tokens=8, max_writes=8)  # grows for the larger steps
     batch = staged(stager, as_device(data), pending)
@@ -101,6 +122,34 @@ def test_staged_step_equals_the_torch_path(seed, n, longest, hostile):
         np.testing.assert_array_equal(got[k], want.astype(got[k].dtype), err_msg=k)
         assert tuple(getattr(batch, k).shape) == want.shape, k
     assert stager.launches == 1
+
+
+@pytest.mark.parametrize("table", [False, True], ids=["indices", "block-table"])
+def test_padding_and_block_tables_give_the_documented_slots(table):
+    """The torch path (the kernel's reference) against the adapter's contract, by hand: padding
+    tokens of a static-shape step are skipped (-1; before, they carried the write-trash block's
+    slot, which the canary refused), padding reads leave the map alone, and a decode-fast-path step
+    maps position p of request r to block_table[r][p // page] / pages_per_block * page + p % page."""
+    n, pad = 5, 4
+    data, pending = step_data(40, n, longest=60, pad=pad, table=table)
+    b = StepBatches(LAYOUT, 16).batch(as_torch(data), pending, check_inputs=False)
+    cu_q, cu_k = data["cu_seq_lens_q"].astype(np.int64), data["cu_seq_lens_k"].astype(np.int64)
+    real = int(cu_q[n])
+    loc = b.out_cache_loc.numpy()
+    assert (loc[real:] == -1).all() and len(loc) == real + 2 * pad
+    assert b.extend_lens.numpy()[n:].tolist() == [0] * pad and b.prefix_lens.numpy()[n:].tolist() == [0] * pad
+    rtt = b.req_to_token.numpy()
+    for r in range(n):
+        length = int(cu_k[r + 1] - cu_k[r])
+        if table:
+            entries = data["block_table"][0][r].astype(np.int64)
+            want = [entries[p // PAGE] // (LAYOUT.stride // PAGE) * PAGE + p % PAGE for p in range(length)]
+        else:
+            idx = data["read_index"][0][cu_k[r]:cu_k[r + 1]].astype(np.int64)
+            want = [i // LAYOUT.stride * PAGE + i % LAYOUT.stride for i in idx]
+        assert rtt[r + 1, :length].tolist() == want, r
+        assert loc[cu_q[r + 1] - 1] == want[-1], r  # the newest token is written where it is later read
+    assert (rtt[n + 1:] == 0).all(), "padding requests and padding reads must leave the map alone"
 
 
 def test_a_step_of_the_same_shape_returns_the_same_batch_and_a_longer_one_grows_the_map():

@@ -1,0 +1,80 @@
+"""Issue 27: what TransformersCanary costs a Hugging Face user, measured against what that user would
+otherwise run (perf/transformers_workload.py: generate_batch of 32 requests of 64-256 prompt
+tokens, 64 new tokens, on a bf16 Llama of 8 layers x hidden 1024 and of 4 x 256).
+
+One round generates, in turn: the engine's fast configuration (CUDA graphs and async batching)
+without the canary, with ``layers="first"`` and with ``layers="all"`` (PARTIAL fingerprints);
+for the large model also the plain configuration (no graphs, no async) without and with the
+canary. Rounds are interleaved, after a warm-up round; each variant's best round is its time
+(``best of 3``). The bound of every row is the same generation without the canary, measured in
+the same rounds. The canary must not change the tokens (asserted on every round).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .clocks import reported
+from .transformers_workload import build, canary_for, generate
+
+ROUNDS = 3
+
+
+def _setup():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (torch.cuda)")
+    from kvcanary.adapters.transformers_layout import check_transformers_version
+    from kvcanary.errors import ValidationError
+    try:
+        check_transformers_version(transformers.__version__)
+    except ValidationError as exc:
+        pytest.skip(str(exc).splitlines()[0])
+
+
+@reported
+@pytest.mark.parametrize("model_name", ["8x1024", "4x256"])
+def test_transformers_generation_cost(report, model_name):
+    _setup()
+    model, prompts = build(model_name)
+    canaries = {layers: canary_for(model, layers) for layers in ("first", "all")}
+    variants = [("fast", None), ("fast", "first"), ("fast", "all")]
+    if model_name == "8x1024":
+        variants += [("plain", None), ("plain", "first")]
+    times: dict = {v: [] for v in variants}
+    steps: dict = {}
+    tokens: dict = {}
+
+    def one_round(keep: bool = True) -> float:
+        for engine, layers in variants:
+            tc = canaries.get(layers)
+            before = tc.steps if tc is not None else 0
+            t, out = generate(model, prompts, engine, tc)
+            ref = tokens.setdefault(engine, out) if layers is None else tokens.get(engine)
+            assert ref is None or out == ref, f"the canary changed the tokens ({engine}, layers={layers})"
+            if tc is not None:
+                assert not tc.detections, tc.detections[:2]
+                steps[(engine, layers)] = tc.steps - before
+            if keep:
+                times[(engine, layers)].append(t)
+        return times[("fast", "first")][-1] if keep else 0.0
+
+    one_round(keep=False)  # warm-up: kernels, allocator, graph pools
+    report.reported(one_round, rounds=ROUNDS)
+    best = {v: min(ts) for v, ts in times.items()}
+    base = best[("fast", None)]
+    for layers in ("first", "all"):
+        t, n = best[("fast", layers)], steps[("fast", layers)]
+        report.row(f"transformers {model_name}: generate_batch, CUDA graphs + async batching, canary layers={layers}",
+                   t, "s", bound=base, bound_name="the same generation without the canary, same rounds",
+                   target=("<=", 1.02) if layers == "first" else None, steps=n, without_s=base)
+        report.row(f"transformers {model_name}: added time per step, CUDA graphs + async batching, layers={layers}",
+                   (t - base) / n, "s", bound=base / n, bound_name="the step without the canary", steps=n)
+    if ("plain", None) in best:
+        plain, guarded = best[("plain", None)], best[("plain", "first")]
+        report.row(f"transformers {model_name}: generate_batch, plain engine (no graphs, no async), canary "
+                   "layers=first", guarded, "s", bound=plain, bound_name="the plain generation without the canary",
+                   steps=steps[("plain", "first")])
+        report.row(f"transformers {model_name}: plain engine without the canary (what turning the fast settings "
+                   "off costs)", plain, "s", bound=base, bound_name="the fast generation without the canary")
