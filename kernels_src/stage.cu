@@ -92,7 +92,8 @@ __device__ __forceinline__ long long kvc_stage_request(const void* cum, int whic
 // One step of a paged engine given as cumulative query / key lengths and physical indices
 // (transformers continuous batching; the values of kvcanary.adapters.transformers_batch's torch
 // path): rows r + 1, extend = cu_q[r + 1] - cu_q[r], prefix = cu_k[r + 1] - cu_k[r] - extend, the
-// tokens' ids and positions widened, and
+// tokens' ids (async batching's carried-over ones taken from the previous batch's output, as the
+// forward's first op takes them; a negative expected id becomes the token) and positions widened, and
 // - without a block table: out_cache_loc[i] the slot of write_index[i], and read index j <
 //   cu_k[n] scattered into req_to_token row r + 1, column j - cu_k[r], where r =
 //   kvc_stage_request(cu_k, j) and the column is clamped into the row;
@@ -117,8 +118,14 @@ extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_stage_paged(
     p.prefix_lens[r] = kvc_sub_wrap(k, q);
   }
   for (long long i = first; i < p.num_tokens; i += stride) {
-    p.out_input_ids[i] = kvc_stage_load(p.input_ids, i, p.wide, KVC_STAGE_PAGED_INPUT_IDS);
+    long long id = kvc_stage_load(p.input_ids, i, p.wide, KVC_STAGE_PAGED_INPUT_IDS);
+    if (p.carry_ids != nullptr) {
+      const long long c = kvc_stage_load(p.carry_ids, i, p.wide, KVC_STAGE_PAGED_CARRY_OVER_IDS);
+      if (c >= 0 && c < p.prev_len) id = kvc_stage_load(p.prev_output, c, p.wide, KVC_STAGE_PAGED_PREV_OUTPUT_IDS);
+    }
+    p.out_input_ids[i] = id;
     p.out_positions[i] = kvc_stage_load(p.positions, i, p.wide, KVC_STAGE_PAGED_POSITION_IDS);
+    if (p.expected_ids != nullptr && p.expected_ids[i] < 0) p.expected_ids[i] = id;
   }
   const long long n = p.num_reqs;
   const long long total_q = n > 0 ? kvc_stage_load(p.cu_q, n, p.wide, KVC_STAGE_PAGED_CU_SEQ_LENS_Q) : 0;

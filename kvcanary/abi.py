@@ -390,7 +390,7 @@ STAGE_VLLM_PARAMS = StructDecl("KvcStageVllmParams", (
 # (transformers continuous batching: kernels_src/stage.cu, kvcanary.adapters.transformers_batch),
 # staged like the vLLM step above: bit i of `wide`, input i of STAGE_PAGED_INPUTS (KVC_STAGE_PAGED_<NAME>).
 STAGE_PAGED_INPUTS = ("cu_seq_lens_q", "cu_seq_lens_k", "read_index", "write_index", "input_ids", "position_ids",
-                      "block_table")
+                      "block_table", "carry_over_ids", "prev_output_ids")
 STAGE_PAGED_PARAMS = StructDecl("KvcStagePagedParams", (
     _F("cu_q", "ptr:const void"),            # [num_reqs + 1] cumulative new tokens
     _F("cu_k", "ptr:const void"),            # [num_reqs + 1] cumulative cached + new tokens
@@ -400,6 +400,10 @@ STAGE_PAGED_PARAMS = StructDecl("KvcStagePagedParams", (
     _F("positions", "ptr:const void"),       # [num_tokens]
     _F("block_table", "ptr:const void"),     # NULL, or [num_reqs, table_cols] page entries (the decode fast
                                              # path: read_index / write_index unused)
+    _F("carry_ids", "ptr:const void"),       # NULL, or [num_tokens]: token i is prev_output[carry_ids[i]] when
+    _F("prev_output", "ptr:const void"),     # 0 <= carry_ids[i] < prev_len (async batching's carried-over tokens)
+    _F("expected_ids", "ptr:long long"),     # NULL, or [num_tokens] in/out: a negative entry (the host did not
+                                             # know the token) becomes the token
     _F("rows", "ptr:long long"),             # out [num_reqs]: request-pool row r + 1
     _F("prefix_lens", "ptr:long long"),      # out [num_reqs]: key length - query length
     _F("extend_lens", "ptr:long long"),      # out [num_reqs]: query length
@@ -417,6 +421,7 @@ STAGE_PAGED_PARAMS = StructDecl("KvcStagePagedParams", (
     _F("num_slots", "i64"),                  # the slot of an index that names no token
     _F("table_stride", "i64"),               # block_table elements per row
     _F("table_cols", "i64"),                 # block_table entries per row
+    _F("prev_len", "i64"),                   # prev_output's elements
     _F("wide", "i32"),
     _F("_pad", "i32"),
 ))

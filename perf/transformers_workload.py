@@ -48,15 +48,40 @@ def build(model: str):
     return m, prompts
 
 
-def generate(model, prompts, engine: str, canary=None) -> tuple[float, list]:
-    """(wall seconds, generated tokens in request order) of one generate_batch, ``canary`` attached
-    (a TransformersCanary) or not."""
+LOOPS: list = []  # seconds of each generation loop run (the background thread's), appended by the wrapper
+
+
+def _time_the_loop() -> None:
+    """Wrap ``ContinuousBatchingManager._run_generation_loop`` (once, on the class) to record how
+    long each generation loop runs: every step of the generation, without the manager's set-up,
+    cache allocation and warm-up (graph captures), whose time varies from run to run by more than
+    the canary costs."""
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager as M
+    if getattr(M._run_generation_loop, "_kvcanary_timed", False):
+        return
+    original = M._run_generation_loop
+
+    def timed(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            LOOPS.append(time.perf_counter() - t0)
+    timed._kvcanary_timed = True
+    M._run_generation_loop = timed
+
+
+def generate(model, prompts, engine: str, canary=None) -> tuple[float, float, list]:
+    """(wall seconds of the whole generate_batch, seconds of its generation loop, generated tokens
+    in request order), ``canary`` attached (a TransformersCanary) or not."""
     import torch
     import transformers
+    _time_the_loop()
     gen = transformers.GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1)
     cb = transformers.ContinuousBatchingConfig(page_size=16, num_blocks=NUM_BLOCKS, max_batch_tokens=512,
                                                max_requests_per_batch=REQUESTS, **ENGINES[engine])
     torch.cuda.synchronize()
+    loops = len(LOOPS)
     t0 = time.perf_counter()
     if canary is None:
         out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
@@ -66,7 +91,8 @@ def generate(model, prompts, engine: str, canary=None) -> tuple[float, list]:
     torch.cuda.synchronize()
     t = time.perf_counter() - t0
     assert all(o.error is None for o in out.values()), [o.error for o in out.values() if o.error][:1]
-    return t, [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.split("_")[-1]))]
+    assert len(LOOPS) == loops + 1, "expected one generation loop per generate_batch"
+    return t, LOOPS[-1], [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.split("_")[-1]))]
 
 
 def canary_for(model, layers: str | None):
@@ -98,7 +124,7 @@ def main() -> None:
             prof.__enter__()
         steps0 = tc.steps if tc is not None else 0
         host0 = dict(tc.host_seconds) if tc is not None else {}
-        t, _ = generate(model, prompts, a.engine, tc)
+        t, loop, _ = generate(model, prompts, a.engine, tc)
         if prof is not None:
             prof.__exit__(None, None, None)
             with open(a.profile, "w") as f:
@@ -107,7 +133,8 @@ def main() -> None:
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
         steps = (tc.steps - steps0) if tc is not None else 0
         host = {k: v - host0.get(k, 0.0) for k, v in (tc.host_seconds.items() if tc is not None else ())}
-        print(f"round {i}: {a.model} {a.engine} layers={a.layers}: {t:.3f} s, {steps} canary steps, canary host "
+        print(f"round {i}: {a.model} {a.engine} layers={a.layers}: {t:.3f} s ({loop:.3f} s in the loop), {steps} "
+              f"canary steps, canary host "
               + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in host.items()))
 
 if __name__ == "__main__":

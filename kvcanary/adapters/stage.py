@@ -198,16 +198,24 @@ class PagedBatchStager(_Stager):
     table of page entries (``block_table``, ``[n, cols]``: transformers' decode fast path), and the
     tokens' ids and positions (transformers continuous batching; module docstring). Tokens past
     ``cu_q[n]`` and reads past ``cu_k[n]`` are a static-shape batch's padding (CUDA graphs,
-    torch.compile): their slot is -1 and the map keeps no trace of them. ``layout`` maps physical
+    torch.compile): their slot is -1 and the map keeps no trace of them; ``read_index`` may be
+    longer than the step's reads (an engine's whole index row: one layout for every step). Under
+    async batching (``carry_over_ids``, ``prev_output_ids``) token i is the previous batch's output
+    ``prev_output_ids[carry_over_ids[i]]`` when that index is in range, as the engine's forward
+    takes it. With ``expected=True`` the Batch carries expected ids and positions from
+    :meth:`expected_buffer`, which the caller fills (in stream order) before the call; a negative
+    expected id (a token the host does not know yet) becomes the step's token. ``layout`` maps physical
     indices to canary slots (``stride``, ``page_size``, ``num_slots``, as
     :class:`~.transformers_layout.PagedLayout`). The int32 ``req_to_token`` map (``max_reqs + 1``
     rows, 256 columns or the first step's ``max_len``) grows, doubling, when a step's longest
-    request needs more columns (the host says how long: ``max_len``), and so do the token buffers past ``max_tokens`` / ``max_writes``; a step
-    rewrites the map entries its requests read. A step of more than ``max_reqs`` requests is refused.""" 
+    request needs more columns (the host says how long: ``max_len``), and so do the token buffers
+    past ``max_tokens`` / ``max_writes``; a step rewrites the map entries its requests read. A step
+    of more than ``max_reqs`` requests is refused. A step of one shape returns the same Batch."""
 
     KERNEL = "kvc_stage_paged"
     INPUTS = abi.STAGE_PAGED_INPUTS
-    OPTIONAL = frozenset({"block_table"})
+    OPTIONAL = frozenset({"block_table", "carry_over_ids", "prev_output_ids"})
+    SCALARS = ("expected",)
 
     def __init__(self, layout, *, max_reqs: int, max_tokens: int, max_writes: int, device: int = 0):
         self.layout = layout
@@ -215,11 +223,19 @@ class PagedBatchStager(_Stager):
         max_tokens = integer("max_tokens", max_tokens, lo=1, fix="pass the most tokens a step schedules")
         max_writes = integer("max_writes", max_writes, lo=1, fix="pass the most tokens a step writes")
         super().__init__(device, {"rows": max_reqs, "prefix": max_reqs, "extend": max_reqs, "ids": max_tokens,
-                                  "pos": max_tokens, "loc": max_writes})
+                                  "pos": max_tokens, "exp": 2 * max_tokens, "loc": max_writes})
         self.map_rows, self.req_to_token = max_reqs + 1, None  # the map: allocated by the first step
 
+    def expected_buffer(self, tokens: int) -> memory.DeviceArray:
+        """The int64 device buffer a step of ``tokens`` tokens takes its expected inputs from (ids at
+        ``[0, tokens)``, positions at ``[tokens, 2 tokens)``), grown first if it is too small."""
+        if 2 * tokens > self.buffers["exp"].shape[0]:
+            self._grow(0, tokens, 0)
+        return self.buffers["exp"]
+
     def __call__(self, *, cu_q, cu_k, read_index, write_index, input_ids, positions, max_len: int,
-                 block_table=None, expected_input_ids=None, expected_positions=None, stream=None) -> Batch:
+                 block_table=None, carry_over_ids=None, prev_output_ids=None, expected: bool = False,
+                 stream=None) -> Batch:
         """The step's Batch, staged on ``stream``; ``max_len``: the step's longest request (cached +
         new tokens), which the map's columns must hold; ``block_table`` (or None): page entries
         ``[n, cols]`` that replace ``read_index`` / ``write_index``."""
@@ -228,8 +244,12 @@ class PagedBatchStager(_Stager):
         tokens, writes = int(input_ids.shape[0]), int(write_index.shape[0])
         if max_len > cols or tokens > b["ids"].shape[0] or writes > b["loc"].shape[0]:
             self._grow(max_len, tokens, writes)
-        return self._stage((cu_q, cu_k, read_index, write_index, input_ids, positions, block_table), (), stream,
-                           expected_input_ids, expected_positions)
+        if (carry_over_ids is None) != (prev_output_ids is None):
+            raise ValidationError("kv-canary: carry_over_ids and prev_output_ids come together (async batching), got "
+                                  "one of them. Fix: pass both, or neither")
+        arrays = (cu_q, cu_k, read_index, write_index, input_ids, positions, block_table, carry_over_ids,
+                  prev_output_ids)
+        return self._stage(arrays, (bool(expected),), stream)
 
     def _grow(self, max_len: int, tokens: int, writes: int) -> None:
         """Larger buffers (doubling) for a step that needs them; the packed launches and Batches
@@ -238,22 +258,27 @@ class PagedBatchStager(_Stager):
         cols = 0 if self.req_to_token is None else self.req_to_token.shape[1]
         if max_len > cols or self.req_to_token is None:  # as StepBatches.req_to_token grows its map
             self.req_to_token = z((self.map_rows, max(max_len, 2 * cols, 256)), np.int32, self.device)
-        for names, n in ((("ids", "pos"), tokens), (("loc",), writes)):
+        for names, n in ((("ids", "pos"), tokens), (("exp",), 2 * tokens), (("loc",), writes)):
             if n > b[names[0]].shape[0]:
                 for name in names:
                     b[name] = z((max(n, 2 * b[name].shape[0]),), np.int64, self.device)
         self.packed, self.batches = PackCache(KEPT), OrderedDict()
 
-    def _batch(self, s: int, n: int, t: int, w: int) -> Batch:
+    def _batch(self, s: int, n: int, t: int, w: int, expected: bool) -> Batch:
         v, rtt = self._view, self.req_to_token
         rows, cols = rtt.shape
         table = ArrayView(rtt.ptr, (rows, cols), (4 * cols, 4), rtt.dtype, "int32", self.device, False, rtt, s)
+        exp = {}
+        if expected:
+            buf = self.buffers["exp"]
+            exp = {"expected_input_ids": v("exp", t, s), "expected_positions": ArrayView(
+                buf.ptr + 8 * t, (t,), (8,), buf.dtype, buf.dtype.name, self.device, False, buf, s)}
         return Batch(v("rows", n, s), v("prefix", n, s), v("extend", n, s), table, input_ids=v("ids", t, s),
-                     positions=v("pos", t, s), out_cache_loc=v("loc", w, s))
+                     positions=v("pos", t, s), out_cache_loc=v("loc", w, s), **exp)
 
-    def _pack(self, arrays):
-        views, wide = self._inputs(arrays, (1, 1, 1, 1, 1, 1, 2))
-        cu_q, cu_k, read, write, ids, pos, table = views
+    def _pack(self, arrays, expected: bool):
+        views, wide = self._inputs(arrays, (1, 1, 1, 1, 1, 1, 2, 1, 1))
+        cu_q, cu_k, read, write, ids, pos, table, carry, prev = views
         n, rtt = cu_q.shape[0] - 1, self.req_to_token
         if n < 0 or cu_k.shape[0] != n + 1:
             raise ValidationError(f"kv-canary: cu_seq_lens_q and cu_seq_lens_k must hold num_reqs + 1 offsets each, "
@@ -267,13 +292,20 @@ class PagedBatchStager(_Stager):
             positions=pos.ptr, rows=b["rows"], prefix_lens=b["prefix"], extend_lens=b["extend"],
             req_to_token=rtt.ptr, out_input_ids=b["ids"], out_positions=b["pos"], out_cache_loc=b["loc"],
             rtt_cols=rtt.shape[1], num_reqs=n, num_read=read.shape[0], num_write=write.shape[0], num_tokens=t,
-            block_stride=lay.stride, page_size=lay.page_size, num_slots=lay.num_slots, wide=wide)
+            block_stride=lay.stride, page_size=lay.page_size, num_slots=lay.num_slots, wide=wide,
+            expected_ids=b["exp"] if expected else 0)
         if table is not None:
             if table.shape[0] < n:
                 raise ValidationError(f"kv-canary: block_table must have a row per request (>= {n}), got shape "
                                       f"{table.shape}. Fix: pass the step's block table (the model's block_table[0])")
             p.block_table, p.table_cols = table.ptr, table.shape[1]
             p.table_stride = table.strides[0] // table.itemsize
-        launch = self._launch(p, max(n, t, write.shape[0], read.shape[0], n * rtt.shape[1] if table is not None else 0))
+        if carry is not None:
+            if carry.shape[0] < t:
+                raise ValidationError(f"kv-canary: carry_over_ids must cover the step's {t} tokens, got shape "
+                                      f"{carry.shape}. Fix: pass the engine's carry_over_ids of the same IO pair")
+            p.carry_ids, p.prev_output, p.prev_len = carry.ptr, prev.ptr, prev.shape[0]
+        cells = n * rtt.shape[1]  # at most the map's cells are read (a whole index row may be longer)
+        launch = self._launch(p, max(n, t, write.shape[0], min(read.shape[0], cells), cells if table is not None else 0))
         launch.keep = (launch.keep, rtt)
-        return launch, (n, t, write.shape[0])
+        return launch, (n, t, write.shape[0], expected)

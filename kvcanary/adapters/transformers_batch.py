@@ -54,6 +54,8 @@ class StepBatches:
         self.stager = None if device is None else PagedBatchStager(layout, max_reqs=rows - 1, max_tokens=tokens,
                                                                    max_writes=tokens, device=device)
         self.torch_batches: dict = {}  # id(staged Batch) -> (it, its torch twin)
+        self.host = _PinnedRing()      # the expected tokens' host staging (staged path)
+        self.expected_twin = None      # (the stager's expected buffer, a torch tensor over it)
 
     def req_to_token(self, length: int, like):
         """The persistent int32 [rows + 1, >= length] map, grown (doubling) on the host's say-so only;
@@ -64,13 +66,17 @@ class StepBatches:
             self.rtt = torch.zeros((self.rows + 1, cols), dtype=torch.int32, device=like.device)
         return self.rtt
 
-    def batch(self, data: dict, pending: Scheduled, check_inputs: bool) -> Batch:
+    def batch(self, data: dict, pending: Scheduled, check_inputs: bool, carry=None) -> Batch:
         """The canary Batch of a step from its model kwargs ``data`` (device tensors) and what the
         host noted of it (``pending``); ``check_inputs``: with the expected tokens and positions.
         A decode-fast-path step (``data["block_table"]``) reads and writes the cache through its
         block table, not ``read_index`` / ``write_index``; a static-shape step (CUDA graphs,
         torch.compile) pads tokens past ``cu_seq_lens_q[n]`` (slot -1 here) and reads past
-        ``cu_seq_lens_k[n]`` (left out of the map)."""
+        ``cu_seq_lens_k[n]`` (left out of the map). A staged Batch holds views of the stager's
+        buffers, the same object for every step of a shape (the canary replays its launches without
+        keying them); :meth:`as_torch` gives its torch twin. ``carry`` (async batching): ``(carry_over_ids,
+        previous output ids)``, token i being ``previous[carry_over_ids[i]]`` where that is in range,
+        as the engine's forward takes it; the engine's tensors are never written."""
         import torch  # on first use, as above
         cu_q, cu_k = data["cu_seq_lens_q"], data["cu_seq_lens_k"]
         if isinstance(cu_k, dict):
@@ -79,14 +85,13 @@ class StepBatches:
         table = None if table is None else table[0]  # the full-attention group's [n, cols] page entries
         if self.stager is not None:
             ids = data["input_ids"][0]
-            staged = self.as_torch(self.stager(cu_q=cu_q, cu_k=cu_k, read_index=data["read_index"][0],
-                                               write_index=data["write_index"][0], input_ids=ids,
-                                               positions=data["position_ids"][0], max_len=pending.max_len,
-                                               block_table=table))
-            if not check_inputs:
-                return staged
-            exp_ids, exp_pos = self.expected(staged.input_ids, pending)
-            return Batch(**{**staged.__dict__, "expected_input_ids": exp_ids, "expected_positions": exp_pos})
+            if check_inputs:
+                self.stage_expected(pending, int(ids.shape[0]))
+            return self.stager(
+                cu_q=cu_q, cu_k=cu_k, read_index=whole_row(data["read_index"][0]),
+                write_index=data["write_index"][0], input_ids=ids, positions=data["position_ids"][0],
+                max_len=pending.max_len, block_table=table, carry_over_ids=None if carry is None else carry[0],
+                prev_output_ids=None if carry is None else carry[1], expected=check_inputs)
         cu_q, cu_k = cu_q.to(torch.int64), cu_k.to(torch.int64)
         n = int(cu_q.shape[0]) - 1
         extend = cu_q[1:] - cu_q[:-1]
@@ -114,6 +119,10 @@ class StepBatches:
             slots = self.layout.to_slots(self.table_index(tab, r, prefix[r] + w - cu_q[r]))
             loc = torch.where(w < cu_q[n], slots, loc)
         ids = data["input_ids"][0].to(torch.int64)
+        if carry is not None:
+            c, prev = carry[0][:ids.numel()].to(torch.int64), carry[1]
+            inside = (c >= 0) & (c < prev.numel())
+            ids = torch.where(inside, prev[c.clamp(0, max(prev.numel() - 1, 0))].to(torch.int64), ids)
         pos = data["position_ids"][0].to(torch.int64)
         exp_ids, exp_pos = self.expected(ids, pending) if check_inputs else (None, None)
         return Batch(torch.arange(1, n + 1, device=cu_q.device), prefix, extend, rtt[:self.rows], input_ids=ids,
@@ -137,13 +146,33 @@ class StepBatches:
         if kept is None or kept[0] is not batch:  # a new shape: drop the twins of Batches the stager dropped
             live = {id(b) for b in self.stager.batches.values()}
             self.torch_batches = {k: v for k, v in self.torch_batches.items() if k in live}
-            def twin(v):  # a view's owner is the stager's DeviceArray; the view is its leading elements
+            def twin(v):  # a view's owner is the stager's DeviceArray: its leading elements, or a 1-D run
                 if not isinstance(v, ArrayView):
                     return v
+                start = (v.ptr - v.owner.ptr) // v.itemsize
+                if len(v.shape) == 1:
+                    return torch.from_dlpack(v.owner)[start:start + v.shape[0]]
                 return torch.from_dlpack(v.owner)[tuple(slice(0, n) for n in v.shape)]
             fields = {k: twin(v) for k, v in batch.__dict__.items()}
             kept = self.torch_batches[id(batch)] = (batch, Batch(**fields))
         return kept[1]
+
+    def stage_expected(self, pending: Scheduled, t: int) -> None:
+        """Copy the step's expected ids and positions (``t`` tokens; 0 past the noted ones, -1 for a
+        token the host does not know) into the stager's expected buffer, on the current stream,
+        from a pinned slot of :attr:`host` (one copy, no allocation, never waiting for the stream)."""
+        import torch  # on first use, as above
+        buf = self.stager.expected_buffer(t)
+        if self.expected_twin is None or self.expected_twin[0] is not buf:
+            self.expected_twin = (buf, torch.from_dlpack(buf))
+        host, array = self.host.take(2 * t)
+        m = min(t, len(pending.ids))
+        array[:m] = pending.ids[:m]
+        array[m:t] = 0
+        array[t:t + m] = pending.positions[:m]
+        array[t + m:2 * t] = 0
+        self.expected_twin[1][:2 * t].copy_(host[:2 * t], non_blocking=True)
+        self.host.copied()
 
     @staticmethod
     def expected(ids, pending: Scheduled):
@@ -164,3 +193,46 @@ class StepBatches:
         if pending.unknown:
             return torch.where(exp[0] < 0, ids, exp[0]), exp[1]
         return exp[0], exp[1]
+
+
+def whole_row(index):
+    """The whole storage row of an engine's index tensor from its start (a 1-D contiguous view): the
+    stager reads only the step's entries (``cu_seq_lens_k[n]``, on the device), so every step has
+    one layout. An empty index (no cached reads) stays empty."""
+    if type(index).__module__.split(".")[0] != "torch" or not index.numel() or not index.is_contiguous():
+        return index
+    rest = index.untyped_storage().nbytes() // index.element_size() - index.storage_offset()
+    return index.as_strided((rest,), (1,))
+
+
+class _PinnedRing:
+    """Pinned int64 host buffers the expected tokens are staged in, used in turn; a buffer is
+    reused once the copy that last read it has run (its event), so a copy in flight is never
+    overwritten, and nothing is allocated per step. On a CPU-only torch (the emulated tests) the
+    buffers are plain host memory."""
+
+    DEPTH = 4
+
+    def __init__(self):
+        self.buffers, self.events, self.turn = [], [], -1
+
+    def take(self, n: int):
+        """(a free pinned tensor of >= n elements, its numpy view)."""
+        import torch  # on first use, as above
+        if not self.buffers or self.buffers[0][0].numel() < n:
+            cuda = torch.cuda.is_available()
+            size = max(n, 2 * (self.buffers[0][0].numel() if self.buffers else 0), 1024)
+            self.buffers = [(t, t.numpy()) for t in (torch.empty(size, dtype=torch.int64, pin_memory=cuda)
+                                                     for _ in range(self.DEPTH))]
+            self.events = [torch.cuda.Event() if cuda else None for _ in range(self.DEPTH)]
+            self.recorded = [False] * self.DEPTH
+        self.turn = (self.turn + 1) % self.DEPTH
+        if self.events[self.turn] is not None and self.recorded[self.turn]:
+            self.events[self.turn].synchronize()  # the copy 4 steps ago: long done
+        return self.buffers[self.turn]
+
+    def copied(self) -> None:
+        """After the copy from the last taken buffer was enqueued on the current stream."""
+        if self.events[self.turn] is not None:
+            self.events[self.turn].record()
+            self.recorded[self.turn] = True

@@ -6,21 +6,26 @@ or a flash implementation), without editing transformers. Supported: transformer
 :data:`~.transformers_layout.SUPPORTED_TRANSFORMERS` (anything else raises a ``kv-canary:`` error
 naming the range). It patches instances only, at runtime:
 
-- ``model.init_continuous_batching``: the returned manager gets a wrapped ``_create_batch_processor``
-  and a config with CUDA graphs, torch.compile, async batching, the flash decode fast path and CPU
-  offloading off (each step's canary bookkeeping runs in Python; those modes would replay or move
-  the step's KV without it), with a warning when one was on;
+- ``model.init_continuous_batching``: the returned manager gets a wrapped ``_create_batch_processor``;
+  its configuration is never changed (CPU offloading, which moves KV blocks without their canary
+  records, is refused with a ``kv-canary:`` error);
 - the new batch processor: ``inputs_and_outputs.prepare_batch_tensors`` is wrapped to note each
   scheduled request's past and query lengths and expected tokens (prompt + generated tokens, from
   the request state); ``model_runner.compute_batch`` is wrapped to run the HEAD stage before the
-  forward and the TAIL stage after it, on the compute stream.
+  forward (or the CUDA graph's replay) and the TAIL stage after it, on the engine's compute stream;
+  ``model_runner.warmup`` is wrapped so that the warm-up's made-up requests are not checked.
+
+The engine's fast settings stay on: CUDA graphs (the canary runs around the replay), async
+batching (its carried-over tokens are staged from the same buffers the forward takes them from),
+the decode fast path (slots from its block table), torch.compile and the static-shape padding
+that graphs and compile add (padding tokens are skipped).
 
 The engine's cache, block pool and scheduling are left whole: canary slots are the cache's own
 token positions (:class:`~.transformers_layout.PagedLayout`), so attaching the canary changes
 neither which blocks requests get nor what is generated. The canary reads what the attention
 reads: request lengths from ``cu_seq_lens_q/k``, slots from ``read_index`` (expanded on the device
-into a ``req_to_token`` map) and ``write_index``, tokens and positions from the model inputs
-(:mod:`.transformers_batch`). Only the expected tokens come from the host. Supported: models whose
+into a ``req_to_token`` map) and ``write_index`` or the block table, tokens and positions from the
+model inputs (:mod:`.transformers_batch`). Only the expected tokens come from the host. Supported: models whose
 layers all use full attention (one cache allocator), one generation at a time; forks
 (``num_return_sequences > 1``) copy KV blocks without their canary records and are refused.
 """
@@ -77,7 +82,9 @@ class TransformersCanary:
     builds it with torch ops (the reference path, and the one a CPU cache always takes). Other
     keyword arguments go to :class:`KvCanary` (``verify_capacity``, ``ring_capacity``, ...).
     Counters: :attr:`steps`, :attr:`requests` (ids seen), :attr:`detections` (violation records,
-    each with the step it happened in), :meth:`summary`. Raises a ``kv-canary:`` error at
+    each with the step it happened in), :attr:`host_seconds` (the canary's host time by part:
+    building a session's canary, the per-step notes, Batch, HEAD and TAIL, and the final flush),
+    :meth:`summary`. Raises a ``kv-canary:`` error at
     construction when the installed transformers is outside the supported range.
     """
 
@@ -192,7 +199,7 @@ class TransformersCanary:
         prepare, compute, warmup = io.prepare_batch_tensors, runner.compute_batch, runner.warmup
         # Async batching (two IO pairs): a decoding request's newest token is the previous batch's output,
         # which the forward carries over into input_ids on the device (its first op, in the graph).
-        carry = getattr(io, "carry_over_tokens", None) if hasattr(io, "io_pairs") else None
+        carry = hasattr(io, "io_pairs")
         warming = [False]
 
         def prepare_batch_tensors(requests_in_batch, *args, **kwargs):
@@ -246,23 +253,25 @@ class TransformersCanary:
         t0 = perf_counter()
         stream = io.compute_stream
         scope = (lambda: torch.cuda.stream(stream)) if stream is not None else nullcontext
-        if stream is not None and carry is None:  # sync: the inputs were filled on the current stream
+        if stream is not None and not carry:  # sync: the inputs were filled on the current stream
             stream.wait_stream(torch.cuda.current_stream(stream.device))
         with scope():
-            if carry is not None:  # what the forward's first op does (again, the same values), so HEAD sees them
+            carried = None
+            if carry:  # the tokens the forward's first op carries over from the previous batch's output
                 carry_ids, prev_output_ids, _ = io.get_cb_kwargs()
-                carry(batch_data["input_ids"], carry_ids, prev_output_ids)
-            info.batch = self._batches.batch(batch_data, pending, self.check_inputs)
+                carried = (carry_ids, prev_output_ids[0])
+            batch = self._batches.batch(batch_data, pending, self.check_inputs, carried)
             t1 = perf_counter()
-            self.canary.before_forward(info.batch, stream=stream)
+            self.canary.before_forward(batch, stream=stream)
         t2 = perf_counter()
         compute(model, batch_data)
         t3 = perf_counter()
         with scope():
-            self.canary.after_forward(info.batch, stream=stream)
+            self.canary.after_forward(batch, stream=stream)
         hs = self.host_seconds
         hs["batch"], hs["head"], hs["tail"] = hs["batch"] + t1 - t0, hs["head"] + t2 - t1, hs["tail"] + perf_counter() - t3
-        if self.after_step is not None:
+        if self.after_step is not None:  # callbacks see the Batch as torch tensors (a staged one's twin)
+            info.batch = batch if self._batches.stager is None else self._batches.as_torch(batch)
             self.after_step(info)
         self.step_log.append({"step": self.steps, "requests": len(pending.requests),
                               "new_tokens": len(pending.ids),

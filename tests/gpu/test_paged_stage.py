@@ -187,10 +187,53 @@ def test_a_step_length_that_is_no_count_is_refused_before_any_allocation(max_len
     assert stager.launches == 0 and stager.req_to_token is None
 
 
+def carried_step(seed: int, n: int):
+    """A step under async batching: (data, pending, carry_over_ids, previous output ids) with some
+    tokens carried over (one index past the previous output and one negative other than -1 among
+    them: both take the step's own token) and the host's expected ids -1 where it cannot know them."""
+    data, pending = step_data(seed, n)
+    rng = np.random.default_rng(seed)
+    t = data["input_ids"].shape[1]
+    prev = rng.integers(0, 1 << 20, 40).astype(np.int32)
+    carry = np.where(rng.random(t + 3) < 0.5, rng.integers(0, 40, t + 3), -1).astype(np.int32)
+    carry[0], carry[1] = 40, -7
+    pending.ids = [int(x) for x in rng.integers(0, 1 << 20, t)]
+    pending.ids[2] = -1
+    pending.positions = list(range(t))
+    pending.unknown = 1
+    return data, pending, carry, prev
+
+
+def test_carried_over_tokens_and_unknown_expected_ids_equal_the_torch_path(emulated_device, monkeypatch):
+    """Async batching: the staged ids take the previous batch's output where carry_over_ids names
+    an index inside it (the engine's own forward does the same), and an expected id the host did
+    not know (-1) becomes the staged token, as the torch path computes them (before, the adapter
+    wrote the carried tokens into the engine's input_ids)."""
+    if emulated_device is not None:
+        def host_view(a):
+            raw = (ctypes.c_char * (a.dtype.itemsize * int(np.prod(a.shape)))).from_address(a.ptr)
+            return torch.from_numpy(np.frombuffer(raw, dtype=a.dtype).reshape(a.shape))
+        monkeypatch.setattr(torch, "from_dlpack", host_view)
+    data, pending, carry, prev = carried_step(50, 5)
+    want = StepBatches(LAYOUT, 8).batch(as_torch(data), pending, True, (torch.from_numpy(carry), torch.from_numpy(prev)))
+    sb = StepBatches(LAYOUT, 8, device=0, tokens=8)
+    engine = as_device(data)
+    before = engine["input_ids"][0].numpy().copy()
+    got = sb.as_torch(sb.batch(engine, pending, True, (memory.to_device(carry), memory.to_device(prev))))
+    ids = want.input_ids.numpy()
+    assert ids[0] == data["input_ids"][0, 0] and ids[1] == data["input_ids"][0, 1]  # out of range: not carried
+    assert any(ids[i] == prev[carry[i]] != data["input_ids"][0, i] for i in range(2, len(ids)) if carry[i] >= 0)
+    assert want.expected_input_ids.numpy()[2] == ids[2]
+    for k in (*FIELDS, "expected_input_ids", "expected_positions"):
+        np.testing.assert_array_equal(getattr(got, k).cpu().numpy(), getattr(want, k).numpy(), err_msg=k)
+    np.testing.assert_array_equal(engine["input_ids"][0].numpy(), before)  # the engine's inputs are left alone
+
+
 def test_step_batches_stage_on_the_device_and_hand_over_torch_tensors(emulated_device, monkeypatch):
-    """StepBatches with a device stages the step (one launch) and returns torch tensors over the
-    stager's buffers, so callbacks read ``info.batch`` as they do from the torch path; the
-    same shape gives the same tensors. (Emulated: device memory is host memory, viewed by CPU torch.)"""
+    """StepBatches with a device stages the step (one launch) into the stager's buffers: the same
+    Batch of views for every step of a shape (the canary's launches replay without keying), and
+    its torch twin over the same buffers, so callbacks read ``info.batch`` as they do from the torch
+    path. (Emulated: device memory is host memory, viewed by CPU torch.)"""
     if emulated_device is not None:
         def host_view(a):
             raw = (ctypes.c_char * (a.dtype.itemsize * int(np.prod(a.shape)))).from_address(a.ptr)
@@ -198,16 +241,17 @@ def test_step_batches_stage_on_the_device_and_hand_over_torch_tensors(emulated_d
         monkeypatch.setattr(torch, "from_dlpack", host_view)
     data, pending = step_data(30, 5, hostile=True)
     sb = StepBatches(LAYOUT, 8, device=0, tokens=8)
-    got = sb.batch(as_device(data), pending, check_inputs=False)
+    views = sb.batch(as_device(data), pending, check_inputs=False)
+    got = sb.as_torch(views)
     want = StepBatches(LAYOUT, 8).batch(as_torch(data), pending, check_inputs=False)
     assert sb.stager.launches == 1
     for k in FIELDS:
         t = getattr(got, k)
-        assert isinstance(t, torch.Tensor), k
+        assert isinstance(t, torch.Tensor) and not isinstance(getattr(views, k), torch.Tensor), k
         np.testing.assert_array_equal(t.cpu().numpy(), getattr(want, k).numpy().astype(t.cpu().numpy().dtype),
                                       err_msg=k)
     again = sb.batch(as_device(data), pending, check_inputs=False)
-    assert again is got and sb.stager.launches == 2
+    assert again is views and sb.as_torch(again) is got and sb.stager.launches == 2
     longer, long_pending = step_data(31, 5, longest=600)  # the map grows: the old Batch and its twin go
-    sb.batch(as_device(longer), long_pending, check_inputs=False)
+    sb.as_torch(sb.batch(as_device(longer), long_pending, check_inputs=False))
     assert len(sb.torch_batches) == 1 and all(b is not got for _, b in sb.torch_batches.values())
