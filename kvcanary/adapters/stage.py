@@ -194,23 +194,20 @@ class VllmBatchStager(_Stager):
 class PagedBatchStager(_Stager):
     """Persistent device buffers of the Batch of a paged engine whose step is given as cumulative
     query / key lengths (``cu_q``, ``cu_k``: ``[n + 1]``), the physical cache indices each request
-    reads (``read_index``, request by request) and writes (``write_index``), or instead a block
-    table of page entries (``block_table``, ``[n, cols]``: transformers' decode fast path), and the
-    tokens' ids and positions (transformers continuous batching; module docstring). Tokens past
-    ``cu_q[n]`` and reads past ``cu_k[n]`` are a static-shape batch's padding (CUDA graphs,
-    torch.compile): their slot is -1 and the map keeps no trace of them; ``read_index`` may be
-    longer than the step's reads (an engine's whole index row: one layout for every step). Under
-    async batching (``carry_over_ids``, ``prev_output_ids``) token i is the previous batch's output
-    ``prev_output_ids[carry_over_ids[i]]`` when that index is in range, as the engine's forward
-    takes it. With ``expected=True`` the Batch carries expected ids and positions from
-    :meth:`expected_buffer`, which the caller fills (in stream order) before the call; a negative
-    expected id (a token the host does not know yet) becomes the step's token. ``layout`` maps physical
-    indices to canary slots (``stride``, ``page_size``, ``num_slots``, as
+    reads (``read_index``, request by request; an engine's whole index row may be given: the
+    kernel reads ``cu_k[n]`` entries) and writes (``write_index``), or instead a block table of page
+    entries (``block_table``, ``[n, cols]``: transformers' decode fast path), and the tokens' ids and
+    positions (transformers continuous batching; module docstring). Tokens past ``cu_q[n]`` and
+    reads past ``cu_k[n]`` are a static-shape batch's padding (CUDA graphs, torch.compile): slot -1,
+    no trace in the map. Under async batching token i is ``prev_output_ids[carry_over_ids[i]]``
+    where that index is in range, as the engine's forward takes it. With ``expected=True`` the
+    Batch carries the expected ids and positions the caller copied (in stream order) into
+    :meth:`expected_buffer`; a negative expected id (unknown to the host) becomes the token.
+    ``layout`` maps physical indices to canary slots (``stride``, ``page_size``, ``num_slots``, as
     :class:`~.transformers_layout.PagedLayout`). The int32 ``req_to_token`` map (``max_reqs + 1``
-    rows, 256 columns or the first step's ``max_len``) grows, doubling, when a step's longest
-    request needs more columns (the host says how long: ``max_len``), and so do the token buffers
-    past ``max_tokens`` / ``max_writes``; a step rewrites the map entries its requests read. A step
-    of more than ``max_reqs`` requests is refused. A step of one shape returns the same Batch."""
+    rows) and the token buffers grow, doubling, when a step needs more (the host says how long the
+    longest request is: ``max_len``); more than ``max_reqs`` requests are refused. A step of one
+    shape returns the same Batch."""
 
     KERNEL = "kvc_stage_paged"
     INPUTS = abi.STAGE_PAGED_INPUTS
@@ -227,8 +224,7 @@ class PagedBatchStager(_Stager):
         self.map_rows, self.req_to_token = max_reqs + 1, None  # the map: allocated by the first step
 
     def expected_buffer(self, tokens: int) -> memory.DeviceArray:
-        """The int64 device buffer a step of ``tokens`` tokens takes its expected inputs from (ids at
-        ``[0, tokens)``, positions at ``[tokens, 2 tokens)``), grown first if it is too small."""
+        """The int64 buffer of a step's expected ids ``[0, tokens)`` and positions ``[tokens, 2 tokens)``."""
         if 2 * tokens > self.buffers["exp"].shape[0]:
             self._grow(0, tokens, 0)
         return self.buffers["exp"]
@@ -237,8 +233,7 @@ class PagedBatchStager(_Stager):
                  block_table=None, carry_over_ids=None, prev_output_ids=None, expected: bool = False,
                  stream=None) -> Batch:
         """The step's Batch, staged on ``stream``; ``max_len``: the step's longest request (cached +
-        new tokens), which the map's columns must hold; ``block_table`` (or None): page entries
-        ``[n, cols]`` that replace ``read_index`` / ``write_index``."""
+        new tokens), which the map's columns must hold."""
         max_len = integer("max_len", max_len, lo=0, fix="pass the step's longest request (cached + new tokens)")
         cols, b = 0 if self.req_to_token is None else self.req_to_token.shape[1], self.buffers
         tokens, writes = int(input_ids.shape[0]), int(write_index.shape[0])
@@ -306,6 +301,7 @@ class PagedBatchStager(_Stager):
                                       f"{carry.shape}. Fix: pass the engine's carry_over_ids of the same IO pair")
             p.carry_ids, p.prev_output, p.prev_len = carry.ptr, prev.ptr, prev.shape[0]
         cells = n * rtt.shape[1]  # at most the map's cells are read (a whole index row may be longer)
-        launch = self._launch(p, max(n, t, write.shape[0], min(read.shape[0], cells), cells if table is not None else 0))
+        work = max(n, t, write.shape[0], min(read.shape[0], cells), 0 if table is None else cells)
+        launch = self._launch(p, work)
         launch.keep = (launch.keep, rtt)
         return launch, (n, t, write.shape[0], expected)

@@ -30,6 +30,21 @@ class Scheduled:
     unknown: int = 0  # tokens the host does not know yet (-1 in ids): async batching's carried-over tokens
 
 
+@dataclass
+class StepInfo:
+    """One engine step as the hooks see it: ``requests`` is ``[(request_id, past_len, query_len)]``
+    in batch order, ``states`` the matching RequestState objects, ``batch_data`` the model kwargs
+    (device tensors), ``cache`` the PagedAttentionCache, ``batch`` the canary's Batch (set before
+    the forward)."""
+
+    step: int
+    requests: list
+    states: list
+    batch_data: dict
+    cache: object
+    batch: Batch | None = None
+
+
 def tokens(state, start: int, count: int) -> list[int]:
     """Tokens at positions [start, start + count) of prompt + generated tokens, without concatenating;
     -1 for a position past what the host holds (under async batching the newest token of a decoding

@@ -34,31 +34,14 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from time import perf_counter
-from dataclasses import dataclass
 
 from ..errors import ValidationError, ValidationTypeError
 from ..manager import KvCanary, PoolGroup
-from ..plan import Batch
 from ..reporting import MODES
 from ..validate import boolean, callable_or_none, choice, fail, hash_mode as parse_hash_mode
 from .common import canary_kwargs, check_layers
-from .transformers_batch import Scheduled, StepBatches, tokens
+from .transformers_batch import Scheduled, StepBatches, StepInfo, tokens
 from .transformers_layout import PagedLayout, check_transformers_version
-
-
-@dataclass
-class StepInfo:
-    """One engine step as the hooks see it: ``requests`` is ``[(request_id, past_len, query_len)]``
-    in batch order, ``states`` the matching RequestState objects, ``batch_data`` the model kwargs
-    (device tensors), ``cache`` the PagedAttentionCache, ``batch`` the canary's Batch (set before
-    the forward)."""
-
-    step: int
-    requests: list
-    states: list
-    batch_data: dict
-    cache: object
-    batch: Batch | None = None
 
 
 def _installed_transformers() -> str:
@@ -269,7 +252,8 @@ class TransformersCanary:
         with scope():
             self.canary.after_forward(batch, stream=stream)
         hs = self.host_seconds
-        hs["batch"], hs["head"], hs["tail"] = hs["batch"] + t1 - t0, hs["head"] + t2 - t1, hs["tail"] + perf_counter() - t3
+        hs["batch"], hs["head"] = hs["batch"] + t1 - t0, hs["head"] + t2 - t1
+        hs["tail"] += perf_counter() - t3
         if self.after_step is not None:  # callbacks see the Batch as torch tensors (a staged one's twin)
             info.batch = batch if self._batches.stager is None else self._batches.as_torch(batch)
             self.after_step(info)
