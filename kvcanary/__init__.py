@@ -5,13 +5,16 @@ cubins from the disk cache). It never initialises the CUDA driver: that happens 
 launch, so servers may fork after import.
 """
 
+import os as _os
+
 from ._version import __version__  # noqa: E402
 from . import abi, compile as _compile  # noqa: E402
 from .abi import FailReason, HashMode, LaunchTag, MAX_REAL_KV_SOURCES  # noqa: E402
 from .errors import (CanaryViolationError, CompileError, DriverError, KvCanaryError,  # noqa: E402
-                     NoCudaDriverError, ValidationError, ValidationTypeError)
+                     NoCudaDriverError, UnsupportedDeviceError, ValidationError, ValidationTypeError)
 
-COMPILED = _compile.load_kernels()  # the configured archs; the driver loads them on first launch
+# the configured archs (the driver loads them on first launch); a compile worker compiles its own arch only
+COMPILED = None if _os.environ.get(_compile.WORKER_ENV) else _compile.load_kernels()
 
 from .arrays import ArrayView, as_view, from_pointer  # noqa: E402
 from .ops import build_plan, fused_verify, verify, write  # noqa: E402
@@ -26,7 +29,7 @@ from .manager import KvCanary, PoolGroup  # noqa: E402
 __all__ = [
     "__version__",
     "abi", "FailReason", "HashMode", "LaunchTag", "MAX_REAL_KV_SOURCES", "CanaryViolationError",
-    "CompileError", "DriverError", "KvCanaryError", "NoCudaDriverError", "ValidationError",
+    "CompileError", "DriverError", "KvCanaryError", "NoCudaDriverError", "UnsupportedDeviceError", "ValidationError",
     "ValidationTypeError", "ArrayView", "as_view", "from_pointer", "build_plan", "fused_verify",
     "verify", "write", "Batch", "StepPlan", "RealKvSource", "source_from_slots",
     "sources_from_layers", "sources_from_pages", "sources_from_vllm", "CanaryBuffer",

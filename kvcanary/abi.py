@@ -64,6 +64,7 @@ STRIP_BATCH = 8              # pieces of one strip kvc_fold_strip loads before f
 WIDE_PIECES = 8              # pieces of each strip a *_wide verify stages per round: a 128-byte line
 WIDE_DEPTH = 2               # rounds in flight per warp of a *_wide verify (kvc_fingerprint_warp's waits assume 2)
 PDL_CUDA_ARCH = 900          # first __CUDA_ARCH__ (sm_90) with programmatic dependent launch (griddepcontrol)
+MIN_ARCH = 80                # the oldest arch the kernels build and run on (sm_80's warp reductions, e.g. __reduce_add_sync)
 FULL_MASK = 0xFFFFFFFF       # every lane of a warp (CUDA's 32): the mask of the *_sync warp intrinsics
 NO_EXPECTED_TOKEN = -1
 CHAIN_HEAD = -1

@@ -4,8 +4,9 @@
 compiles them. NVRTC needs no driver and no GPU, so this runs on CPU-only machines (and in CI).
 Cubins, not PTX: a driver older than NVRTC rejects its PTX but loads its cubins. Never calls cuInit.
 Environment: ``KVCANARY_ARCHS`` (comma-separated, e.g. "80,90"; default :data:`DEFAULT_ARCHS`).
-A cold compile (nothing in the cache) first prints one line on stderr saying so; a warm import
-prints nothing.
+A cold compile (nothing in the cache) first prints one line on stderr saying so, then one per
+finished arch (each arch past the first compiles in a worker process: NVRTC holds the GIL); a
+warm import prints nothing.
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ from ._version import __version__
 from .cubin_cache import CubinCache, cache_key, default_dir
 from .errors import CompileError, ValidationError
 
-DEFAULT_ARCHS = (80, 86, 89, 90, 100, 120)
+# Every arch the kernels are built and tested for (the CPU tier compiles each). Import compiles
+# DEFAULT_ARCHS: an sm_80 cubin runs on every 8.x GPU (sm_86, sm_89), sm_90 adds Hopper's
+# programmatic dependent launch; a GPU of another major (sm_100, sm_120) gets its arch compiled,
+# and cached, at its first launch. KVCANARY_ARCHS picks others (e.g. all of SUPPORTED_ARCHS).
+SUPPORTED_ARCHS = (80, 86, 89, 90, 100, 120)
+DEFAULT_ARCHS = (80, 90)
 OPTIONS = ("-std=c++17", "--device-as-default-execution-space", "-lineinfo")
 PRELUDE_NAME = "kvcanary_abi.cuh"
 
@@ -58,6 +64,12 @@ def configured_archs() -> tuple[int, ...]:
     if not archs:
         raise ValidationError(f"kv-canary: KVCANARY_ARCHS must name at least one compute capability, got "
                               f"{raw!r}. Fix: set it to e.g. KVCANARY_ARCHS=90, or unset it for the default archs")
+    old = [a for a in archs if a < abi.MIN_ARCH]
+    if old:
+        raise ValidationError(f"kv-canary: KVCANARY_ARCHS names {', '.join(f'sm_{a}' for a in old)}, older than "
+                              f"sm_{abi.MIN_ARCH}, the oldest arch kvcanary's kernels build for, got {raw!r}. Fix: "
+                              f"set only sm_{abi.MIN_ARCH}+ archs (e.g. KVCANARY_ARCHS=90), or unset it; on an older "
+                              f"GPU use the CPU reference backend (host arrays)")
     return archs
 
 
@@ -153,6 +165,65 @@ def compile_cubin(sources: dict[str, str], prelude: str, arch: int,
         nvrtc.nvrtcDestroyProgram(prog)
 
 
+WORKER_ENV = "KVCANARY_COMPILE_WORKER"  # set in a compile worker: its ``import kvcanary`` compiles nothing
+
+
+def compile_archs(archs, sources: dict[str, str], prelude: str):
+    """Yield (arch, cubin) for every arch, compiled in parallel: NVRTC holds the GIL, so each arch
+    past the first goes to a worker process (``python -m kvcanary.compile``) while this process
+    compiles the first, up to one per CPU at a time. Each finished arch prints a progress line on
+    stderr. A worker that fails leaves its arch to this process (the same compile, its errors)."""
+    import subprocess  # only on a cache miss
+    import time
+    t0, archs = time.perf_counter(), list(archs)
+    slots = max(1, min(len(archs), os.cpu_count() or 1))
+    payload = repr((sources, prelude)).encode()
+    pending = list(archs[1:])
+    running: list[tuple[int, subprocess.Popen]] = []
+
+    def start() -> None:
+        while pending and len(running) < slots - 1:
+            a = pending.pop(0)
+            try:  # stderr discarded: a failed arch is compiled again here, where its log is raised
+                proc = subprocess.Popen([sys.executable, "-m", "kvcanary.compile", str(a)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                        env={**os.environ, WORKER_ENV: "1"})
+                proc.stdin.write(payload)
+                proc.stdin.close()
+            except OSError:  # no interpreter to start (an embedded Python): compile it here
+                mine.append(a)
+                continue
+            running.append((a, proc))
+
+    def done(a: int, cubin: bytes) -> tuple[int, bytes]:
+        print(f"kvcanary: compiled sm_{a} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
+        return a, cubin
+
+    mine = archs[:1]
+    start()
+    while mine or running or pending:
+        if mine:
+            a = mine.pop(0)
+            yield done(a, compile_cubin(sources, prelude, a))
+        if running:
+            a, proc = running.pop(0)
+            cubin = proc.stdout.read()
+            if proc.wait() == 0 and cubin:
+                yield done(a, cubin)
+            else:  # compile it here: the same compile, with its error if it fails
+                mine.append(a)
+        start()
+        if not running and pending:
+            mine.append(pending.pop(0))
+
+
+def _worker() -> None:
+    """``python -m kvcanary.compile ARCH``: the cubin of (sources, prelude) read from stdin."""
+    import ast
+    sources, prelude = ast.literal_eval(sys.stdin.buffer.read().decode())
+    sys.stdout.buffer.write(compile_cubin(sources, prelude, int(sys.argv[1])))
+
+
 @dataclass(repr=False)
 class CompiledKernels:
     """Cubins by arch plus what the doctor reports about how they were obtained. Its repr names
@@ -179,7 +250,7 @@ def compile_notice(archs, cache_dir: Path | None) -> str:
     where = (f"cached in {cache_dir} for the next import" if cache_dir is not None
              else "not cached: KVCANARY_CACHE=0 compiles at every import")
     return (f"kvcanary: compiling the CUDA kernels with NVRTC for {', '.join(f'sm_{a}' for a in archs)} "
-            f"(about 2 s of CPU per arch; {where}). To compile fewer, set KVCANARY_ARCHS to "
+            f"(about 6 s of CPU per arch, one process per CPU; {where}). To compile fewer, set KVCANARY_ARCHS to "
             f"your GPUs' archs, e.g. KVCANARY_ARCHS=90; KVCANARY_CACHE_DIR picks the cache directory.")
 
 
@@ -217,11 +288,9 @@ def load_kernels(archs: tuple[int, ...] | None = None, cache: CubinCache | None 
         todo = [a for a in todo if a in available]
         if todo:
             print(compile_notice(todo, cache.directory), file=sys.stderr, flush=True)
-        from concurrent.futures import ThreadPoolExecutor  # only on a cache miss
-        with ThreadPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1)) as pool:
-            for a, cubin in zip(todo, pool.map(lambda a: compile_cubin(sources, prelude, a), todo)):
-                cache.put(keys[a], cubin)
-                cubins[a] = cubin
+        for a, cubin in compile_archs(todo, sources, prelude):
+            cache.put(keys[a], cubin)
+            cubins[a] = cubin
     compiled = CompiledKernels(cubins=cubins, nvrtc=identity, cache_dir=cache.directory,
                                hits=cache.hits - hits0, misses=cache.misses - misses0,
                                skipped_archs=skipped, keys=keys)
@@ -237,3 +306,7 @@ def loaded() -> CompiledKernels | None:
     """The configured archs' kernels as the last default :func:`load_kernels` (``import kvcanary``)
     left them, or None."""
     return _LOADED
+
+
+if __name__ == "__main__":
+    _worker()

@@ -32,8 +32,8 @@ class Parser(argparse.ArgumentParser):
         if "kv-canary:" in message:  # a flag's own type check (see _integer / _one_of)
             text = message[message.index("kv-canary:"):]
         else:
-            text = (f"kv-canary: {self.prog} needs valid arguments, got: {message}. Fix: run "
-                    f"`{self.prog} --help` for the commands and flags")
+            text = (f"kv-canary: expected the commands and flags --help lists, got: {message}. Fix: run "
+                    f"`{self.prog} --help`")
         self.exit(2, f"{self.prog}: error: {text}\n")
 
 
@@ -78,7 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--report", type=_one_of("--report", ("log", "raise")), default="log", metavar="{log,raise}",
                    help="how violations reach the campaign: export callback or CanaryViolationError")
     p.add_argument("--progress", type=_one_of("--progress", ("auto", "on", "off")), default="auto",
-                   metavar="{auto,on,off}")
+                   metavar="{auto,on,off}",
+                   help="a one-line progress bar on stderr: auto (default: when stderr is a terminal), on, off")
     p.add_argument("--jobs", default="auto", metavar="N",
                    help="worker processes for the injections and the clean run: auto (default: one per "
                         "usable CPU on the CPU backend, none on the GPU), 0 (one per usable CPU), "

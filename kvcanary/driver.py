@@ -15,7 +15,7 @@ import threading
 from dataclasses import dataclass, field
 
 from . import abi, compile as nvrtc_compile
-from .errors import DriverError, KvCanaryError, NoCudaDriverError
+from .errors import DriverError, KvCanaryError, NoCudaDriverError, UnsupportedDeviceError
 from .launch import PLAIN_KERNELS, launch_config, pdl_wanted
 
 _lock = threading.Lock()
@@ -247,6 +247,8 @@ def _load(ordinal: int) -> DeviceRuntime:
     A = d.CUdevice_attribute
     major = int(check(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev), "cuDeviceGetAttribute"))
     minor = int(check(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev), "cuDeviceGetAttribute"))
+    if major * 10 + minor < abi.MIN_ARCH:  # before a context or a compile: the kernels need sm_80
+        raise UnsupportedDeviceError(ordinal, major * 10 + minor, abi.MIN_ARCH)
     sms = int(check(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev), "cuDeviceGetAttribute"))
     ctx = check(d.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
     check(d.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")

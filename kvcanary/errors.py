@@ -59,6 +59,18 @@ class NoCudaDriverError(DriverError):
         self.operation, self.result_name = "cuInit", "DynamicLibNotFoundError"
 
 
+class UnsupportedDeviceError(DriverError):
+    """A GPU older than the oldest arch the kernels run on (``kvcanary.abi.MIN_ARCH``)."""
+
+    def __init__(self, ordinal: int, arch: int, oldest: int):
+        KvCanaryError.__init__(
+            self,
+            f"kv-canary: CUDA device {ordinal} is sm_{arch}, older than sm_{oldest}, the oldest GPU kvcanary's "
+            f"kernels run on (Ampere: A100, A10, RTX 30xx and newer). Fix: run the canary on an sm_{oldest}+ GPU, "
+            f"or on the CPU reference backend (KvCanary(device=None) with host arrays)")
+        self.operation, self.result_name = "cuDeviceGetAttribute(COMPUTE_CAPABILITY)", "unsupported"
+
+
 class CanaryViolationError(KvCanaryError, RuntimeError):
     """Raised in mode "raise" when the device reported violations; carries every row."""
 

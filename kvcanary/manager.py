@@ -18,12 +18,13 @@ The parts are checked and built in :mod:`.assembly`, the stages' launches packed
 from __future__ import annotations
 
 import threading
+import warnings
 
 import numpy as np
 
 from . import abi, assembly, memory, ops
 from .assembly import STAGES, Key, PoolGroup
-from .errors import ValidationTypeError
+from .errors import ValidationError, ValidationTypeError
 from .monitor import Monitor
 from .plan import Batch
 from .records import CanaryRecords, move as move_records
@@ -62,6 +63,7 @@ class KvCanary:
         self.stages = StageLaunches(parts)
         self.monitor = Monitor(parts, self.pump, ring_capacity, stats_every)
         self.ledger = self.monitor.ledger
+        self._head_open = False  # before_forward ran and its after_forward has not (the step protocol)
 
     @property
     def lock(self) -> threading.RLock:
@@ -77,16 +79,33 @@ class KvCanary:
 
     # ---- step API --------------------------------------------------------------------------------
     def before_forward(self, batch: Batch, stream=None) -> None:
-        """HEAD: verify each request's cached prefix (identity) and stamp the new tokens."""
+        """HEAD: verify each request's cached prefix (identity) and stamp the new tokens. A step is
+        ``before_forward(batch)``, the forward, ``after_forward(batch)``; a HEAD while the last one's
+        TAIL never came (an exception in the forward) warns and starts the new step."""
         _need_batch(batch, "before_forward")
         with self._lock:
+            if self._head_open and self.mode != "none":
+                warnings.warn("kv-canary: before_forward() again without after_forward() for the previous step "
+                              "(did its forward raise?): that step's tokens were stamped by HEAD only and its "
+                              "TAIL verify did not run; this HEAD starts a new step. Fix: call after_forward(batch) "
+                              "after every forward that ran", RuntimeWarning, stacklevel=2)
+            self._head_open = True  # also when HEAD refuses the batch: its TAIL says the same of it
             self._stage(batch, 0, stream)
 
     def after_forward(self, batch: Batch, stream=None) -> None:
         """TAIL: verify the prefix with real KV, stamp the new tokens with their fingerprints, then
-        poll the pump (skipped while the stream is being captured into a CUDA graph)."""
+        poll the pump (skipped while the stream is being captured into a CUDA graph). Needs the
+        step's ``before_forward(batch)`` first (a ``kv-canary:`` error otherwise); the batch must be
+        the one HEAD was given (a different one is reported by the kernels: BATCH_INDEX_OUT_OF_RANGE
+        rows with ``batch_field=ENTRY_COUNT``, and :meth:`health_check` fails)."""
         _need_batch(batch, "after_forward")
         with self._lock:
+            if not self._head_open and self.mode != "none":
+                raise ValidationError(f"kv-canary: after_forward(batch) needs the same step's before_forward(batch) "
+                                      f"first (TAIL verifies against the plan HEAD builds), got after_forward with no "
+                                      f"before_forward since step {self.monitor.step}'s. Fix: call "
+                                      f"before_forward(batch) before the model's forward, after_forward(batch) after")
+            self._head_open = False
             s = self._stage(batch, 1, stream)
             if s is not False:  # False: captured
                 self.monitor.report(s, advance=True)
@@ -199,9 +218,9 @@ class KvCanary:
             self.reporter.listeners.append(callback)
 
     def health_check(self) -> None:
-        """Raise if a launch that should have run has not advanced its kernel_run_counter, or if
-        the kernels skipped verify entries whose batch disagreed with its plan (as of the newest
-        processed snapshot)."""
+        """Raise if a launch that should have run has not advanced its kernel_run_counter, or if a
+        launch's batch disagreed with the plan built at HEAD (ENTRY_COUNT rows, or verify entries the
+        kernels skipped for it), as of the newest processed snapshot."""
         with self._lock:
             self.monitor.health_check()
 

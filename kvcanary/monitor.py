@@ -37,6 +37,8 @@ class Monitor:
         self.masks = [np.array([k.stage == st for k in self.keys], np.int64) for st in STAGES]
         self.last = None  # (newest snapshot processed, its meta)
         self.skipped = 0
+        self.skip_seen: dict = {}  # group -> the HEAD run whose skipped verify was counted (one per plan)
+        self.plan_mismatches = 0   # ENTRY_COUNT rows: a launch's batch disagreed with the plan built at HEAD
         full = parts.groups["FULL"].resolved_halves()[0]
         self.tokens_ctx = self.keys.index(Key("TAIL", "FULL", full, "write"))
         self.verifies = np.array([i for i, k in enumerate(self.keys) if k.op == "verify"], np.intp)
@@ -60,7 +62,7 @@ class Monitor:
             self.step += 1
         try:
             for snap, m in taken:  # may raise in mode "raise", after the step advanced
-                self.process(snap, m)
+                self.process(snap, m, stacklevel=4)
         finally:
             self.consume(stream)
             if enqueued or not self.backend.cached_launches:
@@ -87,21 +89,27 @@ class Monitor:
             self.consume(None)
             self.ledger.floor = self.ledger.consumed  # the device is idle: no launch saw an older mark
 
-    def process(self, snap: list, meta, stacklevel: int = 3) -> None:
+    def process(self, snap: list, meta, stacklevel: int) -> None:
         """Report one snapshot (the status block as ints) taken with ``meta``; a skipped verify
-        warns from ``stacklevel`` frames up (the public method that reported it)."""
+        warns from ``stacklevel`` frames up (the caller of the public method that reported it).
+        A plan is built by a HEAD run and read by every later snapshot until the next one, so a
+        skipped verify is counted (and warned about) once per HEAD run, for the step that ran it."""
         step, head, tail, base, floor = meta
         self.last = (snap, meta)
         for k, g in enumerate(self.groups):
             if not snap[self.layout.plan(k) + 1] & abi.INT32_MASK and (head or tail or base.any()):
+                if self.skip_seen.get(g) == head:
+                    continue
+                self.skip_seen[g] = head
                 self.skipped += 1
-                warnings.warn(f"kv-canary: step {step}: the {g} verify was skipped because the batch has more "
-                              f"cached entries than verify_capacity ({self.plans[g].verify_capacity}); fix: "
+                warnings.warn(f"kv-canary: step {step}: the {g} verify was skipped because the batch has "
+                              f"more cached entries than verify_capacity ({self.plans[g].verify_capacity}); fix: "
                               f"raise verify_capacity", RuntimeWarning, stacklevel=stacklevel)
         start, stop, lost = self.ledger.take(snap[abi.STATUS_CLAIM], floor)
         if stop > start or lost:
             rows = self.backend.read_rows(self.ring, start, stop)
             found = self.self_test.take(decode_ring(rows, len(rows)).violations)
+            self.plan_mismatches += sum(v.batch_field == "ENTRY_COUNT" for v in found)
             self.reporter.violations(found, step, lost, self.ledger.lost)
         if self.stats_every or self.reporter.wants_stats:
             emit = bool(self.stats_every) and step % self.stats_every == 0
@@ -133,9 +141,10 @@ class Monitor:
         runs, expected = self.runs(snap), meta[3] + meta[1] * self.masks[0] + meta[2] * self.masks[1]
         bad = [f"{k.stage}_{k.half}_{k.group} {k.op}: ran {runs[i, 0]} of {expected[i]}"
                for i, k in enumerate(self.keys) if runs[i, 0] < expected[i]]
-        if snap[abi.STATUS_SKIPS]:
-            bad.append(f"{snap[abi.STATUS_SKIPS]} verify entries skipped because a launch's batch disagreed "
-                       f"with the plan built at HEAD (BATCH_INDEX_OUT_OF_RANGE rows say which requests)")
+        if snap[abi.STATUS_SKIPS] or self.plan_mismatches:
+            bad.append(f"a launch's batch disagreed with the plan built at HEAD: {self.plan_mismatches} "
+                       f"BATCH_INDEX_OUT_OF_RANGE rows with batch_field=ENTRY_COUNT (one per request and launch) "
+                       f"and {snap[abi.STATUS_SKIPS]} verify entries skipped without a row")
         bad += self.self_test.problems(runs, self.ledger.lost)
         if bad:
             raise KvCanaryError("kv-canary: health check failed, expected every enqueued canary launch to have "

@@ -79,15 +79,13 @@ class Batch:
                                                    dtype=np.int64, shape=(bs,), ndim=1)
         if swa_map is not None:
             v["swa_map"] = checked(swa_map, "swa_map", dtype=np.int64, ndim=1)
-        T = None
-        for name in ("input_ids", "positions", "out_cache_loc", "expected_input_ids", "expected_positions",
-                     "swa_out_cache_loc"):
-            if name in v:
-                T = v[name].shape[0] if T is None else T
-                if v[name].shape[0] != T:
-                    raise ValidationError(f"kv-canary: batch.{name} must have one entry per new token "
-                                          f"({T}, like the other per-token arrays), got shape {v[name].shape}. "
-                                          f"Fix: pass input_ids, positions and out_cache_loc of one length")
+        lengths = {name: v[name].shape[0] for name in ("input_ids", "positions", "out_cache_loc", "expected_input_ids",
+                                                       "expected_positions", "swa_out_cache_loc") if name in v}
+        if len(set(lengths.values())) > 1:  # name every length: which one is wrong is the caller's to say
+            got = ", ".join(f"{name} {n}" for name, n in lengths.items())
+            raise ValidationError(f"kv-canary: the batch's per-token arrays must have one entry per new token, all "
+                                  f"of one length, got {got}. Fix: pass input_ids, positions and out_cache_loc (and "
+                                  f"the optional per-token arrays) of one length")
         integer("batch.expected_token_offset", self.expected_token_offset, lo=-OFFSET_LIMIT, hi=OFFSET_LIMIT,
                 fix="pass 0 (target model) or 1 (draft model)")
         same_device(list(v.values()), "a Batch")

@@ -182,8 +182,9 @@ def _batch_views(batch: Batch, plan: StepPlan, swa_window, swa_map) -> tuple[dic
     window = batch.check_window(swa_window)
     bs = v["req_pool_indices"].shape[0]
     if bs > plan.max_batch:
-        raise ValidationError(f"kv-canary: batch size must be <= the plan's max_batch "
-                              f"({plan.max_batch}), got {bs}. Fix: StepPlan.allocate(max_batch>={bs}, ...)")
+        raise ValidationError(f"kv-canary: batch size must be <= max_batch ({plan.max_batch}), got {bs} requests. "
+                              f"Fix: build the canary with KvCanary(max_batch>={bs}) (the lower-level ops: "
+                              f"StepPlan.allocate(max_batch>={bs}, ...))")
     pool = v.get("expected_pool")
     if pool is not None and pool.shape[0] < v["req_to_token"].shape[0]:
         raise ValidationError(f"kv-canary: batch.expected_pool must have a row per request-pool row (>= "

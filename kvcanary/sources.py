@@ -202,12 +202,20 @@ def sources_from_pages(pool, *, page_size: int | None = None, read_bytes: int | 
 
 
 def source_from_slots(pool, *, read_bytes: int | None = None) -> RealKvSource:
-    """A per-token pool ``[slots, ...]`` (SGLang MHA ``[slots, heads, dim]``, MLA ``[slots, 1, dim]``)."""
+    """One layer's per-token pool: ``[slots, bytes]`` or ``[slots, heads, dim]`` (SGLang MHA; MLA
+    ``[slots, 1, dim]``). A 4-D array is refused: a ``[layers, slots, heads, dim]`` stack would read
+    as ``layers`` slots (use :func:`sources_from_layers` for it)."""
+    shape = as_view(pool, name="pool").shape
+    if len(shape) > 3:
+        raise ValidationError(f"kv-canary: source_from_slots(pool) takes one layer's pool, [slots, bytes] or [slots, "
+                              f"heads, dim], got a {len(shape)}-D array of shape {shape} (a [layers, slots, heads, "
+                              f"dim] stack would be read as {shape[0]} slots). Fix: pass pool[layer], or "
+                              f"kvcanary.sources_from_layers(pool) for a source per layer")
     rows = rows_view(pool, "pool")
     if rows.shape[1] % abi.REAL_KV_ALIGN or not rows.shape[1]:
-        fail("pool", "a [slots, ...] pool of a positive multiple of 16 bytes per slot", f"{rows.shape[1]} bytes per "
-             f"slot (shape {as_view(pool, name='pool').shape})", "pad the token to 16 bytes, or fingerprint another "
-             "tensor (identity checks need none)")
+        raise ValidationError(f"kv-canary: pool must hold a positive multiple of {abi.REAL_KV_ALIGN} bytes per slot, "
+                              f"got {rows.shape[1]} bytes per slot (shape {shape}). Fix: pad the token to "
+                              f"{abi.REAL_KV_ALIGN} bytes, or fingerprint another tensor (identity checks need none)")
     return RealKvSource(rows, 1, rows.shape[1], read_bytes)
 
 

@@ -62,18 +62,33 @@ class Violation:
     def reason_text(self) -> str:
         return "+".join(reason_labels(int(self.reasons)))
 
+    @property
+    def batch_field(self) -> str | None:
+        """The field code of a BATCH_INDEX_OUT_OF_RANGE row (its EXPECTED_TOKEN) by name
+        (``UNKNOWN_<n>`` outside :class:`~kvcanary.abi.BatchField`); None for other rows."""
+        if not self.reasons & abi.FailReason.BATCH_INDEX_OUT_OF_RANGE:
+            return None
+        try:
+            return abi.BatchField(self.expected_token).name
+        except ValueError:
+            return f"UNKNOWN_{self.expected_token}"
+
     def __str__(self) -> str:
+        field = self.batch_field
         return (f"kv_canary violation: launch_tag={self.tag_name} fail_reason={self.reason_text} "
                 f"slot_idx={self.slot} position={self.position} stored_token={self.stored_token} "
                 f"expected_token={self.expected_token} stored_chain_hash=0x{self.stored_chain_hash:016x} "
-                f"expected_aux=0x{self.expected_aux:016x}")
+                f"expected_aux=0x{self.expected_aux:016x}" + ("" if field is None else f" batch_field={field}"))
 
     def to_dict(self, **extra) -> dict:
-        return {"launch_tag": self.tag_name, "fail_reason": reason_labels(int(self.reasons)),
-                "fail_reason_bits": int(self.reasons), "slot_idx": self.slot, "position": self.position,
-                "stored_token": self.stored_token, "expected_token": self.expected_token,
-                "stored_chain_hash": f"0x{self.stored_chain_hash:016x}",
-                "expected_aux": f"0x{self.expected_aux:016x}", **extra}
+        out = {"launch_tag": self.tag_name, "fail_reason": reason_labels(int(self.reasons)),
+               "fail_reason_bits": int(self.reasons), "slot_idx": self.slot, "position": self.position,
+               "stored_token": self.stored_token, "expected_token": self.expected_token,
+               "stored_chain_hash": f"0x{self.stored_chain_hash:016x}",
+               "expected_aux": f"0x{self.expected_aux:016x}"}
+        if self.batch_field is not None:
+            out["batch_field"] = self.batch_field
+        return {**out, **extra}
 
     def to_json(self, **extra) -> str:
         return json.dumps(self.to_dict(**extra), sort_keys=True)

@@ -3,6 +3,7 @@
     python perf/results.py RUN.json [--out FILE.md] [--plots DIR] [--before OLD.json] [--regression PCT]
     python perf/results.py RUN.json --update-committed    # an H200 run becomes the committed results
     python perf/results.py --check-baseline OLD.json      # exit 0: usable by --benchmark-compare
+    python perf/results.py --readme                       # the README's cost table from the committed run
 
 The table has one line per row the benchmarks reported (``extra_info["rows"]``): benchmark,
 measured, bound (and what it is), ratio, target, pass/fail. With matplotlib installed it also
@@ -62,6 +63,53 @@ def load_rows(data: dict) -> list[dict]:
             rows.append(dict(name=bench.get("fullname", bench.get("name")), measured=median,
                              unit="s", bound=None, bound_name="", ratio=None, target=None, ok=None))
     return rows
+
+
+MODEL_STEP = "model decode step (1.1B Llama-shaped, graph), "
+README_SHAPES = (("bs1x4096", "1 × 4096"), ("bs8x4096", "8 × 4096"), ("bs64x2048", "64 × 2048"),
+                 ("bs256x2048", "256 × 2048"))
+
+
+def readme_cost_table(rows: list[dict]) -> list[str]:
+    """The README's "What it costs" table, from the model-step rows of a run (the committed one):
+    the step without the canary, and what each canary configuration adds (``layers="first"`` as
+    its overhead row, the others as added time and its share of the step)."""
+    by = {r["name"]: r["measured"] for r in rows}
+    out = ['| batch × cached tokens | step without canary | `layers="first"` | `layers="all"` | '
+           '`layers="all"`, `fingerprint_every=8` |', "|---|---:|---:|---:|---:|"]
+    for shape, label in README_SHAPES:
+        step = by[f"{MODEL_STEP}{shape}, no canary"]
+        first = by[f"{MODEL_STEP}{shape}: canary layers=first PARTIAL, overhead"]
+        cells = []
+        for what in ("layers=all PARTIAL", "layers=all PARTIAL fingerprint_every=8"):
+            t = by[f"{MODEL_STEP}{shape}: canary {what}, added time"]
+            cells.append(f"+{fmt(t, 's')} ({100 * t / step:.1f} %)")
+        out.append(f"| {label} | {fmt(step, 's')} | +{100 * first:.1f} % | {cells[0]} | {cells[1]} |")
+    return out
+
+
+def readme_prefill_sentence(rows: list[dict]) -> str:
+    """The README's sentence on the eager prefill chunk, from the same run."""
+    by = {r["name"]: r["measured"] for r in rows}
+    chunk = "model prefill chunk (1.1B Llama-shaped, eager), 1x8192 new tokens, canary "
+    return (f"An eager 8192-token prefill chunk took {fmt(by[chunk + 'off'], 's')} without the canary and "
+            f"{fmt(by[chunk + 'layers=first PARTIAL'], 's')} with `layers=\"first\"`.")
+
+
+def write_readme_table(rows: list[dict], readme: Path = HERE.parent / "README.md") -> str:
+    """Replace the README's cost table (the lines starting with its header) and its prefill
+    sentence with :func:`readme_cost_table` / :func:`readme_prefill_sentence` of ``rows``."""
+    lines = readme.read_text().split("\n")
+    table_lines = readme_cost_table(rows)
+    start = lines.index(table_lines[0])
+    end = start
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    lines[start:end] = table_lines
+    prefill = readme_prefill_sentence(rows)
+    lines = [prefill if line.startswith("An eager 8192-token prefill chunk took") else line for line in lines]
+    readme.write_text("\n".join(lines))
+    return f"the README's cost table rewritten from {len(rows)} rows"
 
 
 def ratio_text(r: dict | None) -> str:
@@ -256,9 +304,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --before: list benchmarks whose median grew by more than PCT percent")
     ap.add_argument("--update-committed", action="store_true",
                     help="write perf/RESULTS.md, perf/plots/ and perf/results-h200.json (an H200 run only)")
+    ap.add_argument("--readme", action="store_true",
+                    help="rewrite the README's cost table from the committed run (perf/results-h200.json)")
     ap.add_argument("--check-baseline", type=Path, metavar="JSON",
                     help="only say whether JSON can be the --benchmark-compare baseline (exit 0) or not (1)")
     args = ap.parse_args(argv)
+    if args.readme:
+        print(f"report: {write_readme_table(load_rows(json.loads(COMMITTED['json'].read_text())))}")
+        return 0
     if args.check_baseline is not None:
         ok, why = check_baseline(args.check_baseline)
         print(f"report: {why}")
@@ -287,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text("\n".join(lines) + "\n")
     if args.update_committed and args.json.resolve() != COMMITTED["json"].resolve():
         COMMITTED["json"].write_text(json.dumps(data, separators=(",", ":")) + "\n")  # compact: ~half the bytes
+    if args.update_committed:
+        print(f"report: {write_readme_table(rows)}")
     print(f"report: {len(rows)} rows -> {out}" + (f", plots: {', '.join(map(str, images))}" if images else "")
           + (f", {args.json} -> {COMMITTED['json']}" if args.update_committed else ""))
     for line in regressed:

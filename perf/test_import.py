@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
 BASELINE = "import cuda.bindings.driver, cuda.bindings.nvrtc"
 TIMED = "import time; t0 = time.perf_counter(); {stmt}; print(repr(time.perf_counter() - t0))"
 BEYOND_TARGET_S = 0.3
+COLD_TARGET_S = 10.0  # a first import (empty cache) with two CPUs or more
 
 
 def import_seconds(stmt: str, cache_dir: Path) -> float:
@@ -61,5 +62,7 @@ def test_import_time(report, tmp_path, cache):
                    bound_name="import cuda.bindings", ok=beyond <= BEYOND_TARGET_S,
                    target_text=f"<= bound + {BEYOND_TARGET_S} s", beyond_s=beyond)
     else:
-        report.row("import kvcanary, empty cache (NVRTC compile)", lib_s, "s", bound=base_s,
-                   bound_name="import cuda.bindings", beyond_s=beyond)
+        cpus = os.cpu_count() or 1  # issue 31: <= 10 s for the default archs on a 2-core machine
+        report.row(f"import kvcanary, empty cache (NVRTC compile of the default archs, {cpus} CPUs)", lib_s, "s",
+                   bound=base_s, bound_name="import cuda.bindings", ok=lib_s <= COLD_TARGET_S if cpus >= 2 else None,
+                   target_text=f"<= {COLD_TARGET_S:g} s with 2+ CPUs", beyond_s=beyond)

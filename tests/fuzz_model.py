@@ -165,7 +165,7 @@ class World:
 
 
 def write_conflicts(offsets, seed, num_valid_reqs, out_cache_loc, num_slots) -> tuple[bool, set]:
-    """Whether a write launch's result depends on the order its requests run in (SPEC §7 leaves it
+    """Whether a write launch's result depends on the order its requests run in (docs/format.md §7 leaves it
     unspecified): (a seed slot another request stamps, the slots more than one request stamps)."""
     T = len(out_cache_loc)
     R = min(max(int(num_valid_reqs[0]), 0), len(seed))
@@ -234,7 +234,7 @@ def ref_expand(w: World, b: dict, window: int, capacity: int, offset: int) -> No
 
 def write_and_check(w: World, ctx, plan, prefix: str, loc: str, what: str) -> None:
     """One kvc_write of the plan's write arrays over the token arrays ``prefix`` + name, checked
-    against reference.write as far as SPEC §7 defines it."""
+    against reference.write as far as docs/format.md §7 defines it."""
     d, r = w.dev, w.ref
     exp = {k: d.get(prefix + k) for k in ("expected_input_ids", "expected_positions")}
     kc.write(ctx, plan, d[prefix + "input_ids"], d[prefix + "positions"], d[prefix + loc], **exp)

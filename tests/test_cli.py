@@ -4,6 +4,7 @@ that end in one kv-canary line on stderr (exit 2), never a traceback or a report
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -63,6 +64,34 @@ def test_bad_demo_flags_are_one_kv_canary_line(capsys, flags, needle):
     assert out == ""                                   # nothing ran, nothing was reported
     (line,) = err.splitlines()
     assert line.startswith("kvcanary demo: error: kv-canary: ") and needle in line and "Fix: " in line, line
+
+
+@pytest.mark.parametrize("argv,start", [(["demo", "--bogus"], "kvcanary demo: error: kv-canary: expected the commands "
+                                         "and flags --help lists, got: unrecognized arguments: --bogus. Fix: run "
+                                         "`kvcanary demo --help`"),
+                                         (["bogus"], "kvcanary: error: kv-canary: expected the commands and flags "
+                                                     "--help lists, got: argument")])
+def test_an_unknown_flag_or_command_is_one_line_that_names_it_once(capsys, argv, start):
+    """Catches "kvcanary: error: kv-canary: kvcanary needs valid arguments" (the program named twice,
+    the complaint named last)."""
+    assert main(argv, prog="kvcanary") == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(start) and "needs valid arguments" not in line, line
+
+
+def test_every_demo_flag_has_help_and_the_readme_lists_it(capsys):
+    """Catches --progress without help text and README flags that drifted from the parser."""
+    from pathlib import Path
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"], prog="kvcanary")
+    text = capsys.readouterr().out
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    flags = sorted({f for f in re.findall(r"(--[a-z][a-z-]+)", text) if f != "--help"})
+    assert "--progress" in flags and "--report" in flags
+    for flag in flags:
+        entry = text[text.index("  " + flag):].split("\n  --")[0]
+        assert len(entry.split(maxsplit=2)) == 3, f"{flag} has no help text: {entry!r}"
+        assert f"`{flag}" in readme, f"the README's demo flags lack {flag}"
 
 
 @pytest.mark.skipif(driver.unavailable_reason() is None, reason="a GPU answers here")

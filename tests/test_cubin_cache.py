@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import stat
 import subprocess
 import sys
 import warnings
 
 import pytest
+
+import kvcanary as kc
 
 from kvcanary import cubin_cache as kcache
 from kvcanary import compile as kc_compile
@@ -80,8 +83,10 @@ def test_load_kernels_hits_after_a_miss(tmp_path, capsys):
     second = kc_compile.load_kernels((90,), cache=kcache.CubinCache(tmp_path))
     assert (first.misses, second.hits, second.misses) == (1, 1, 0)
     assert first.cubins == second.cubins
-    # a cold compile says so once on stderr (what, why, how to avoid it); a warm load is silent
-    (line,) = cold.splitlines()
+    # a cold compile says so on stderr (what, why, how to avoid it), then a line per finished arch;
+    # a warm load is silent
+    line, progress = cold.splitlines()
+    assert re.fullmatch(r"kvcanary: compiled sm_90 \(\d+\.\d s\)", progress), progress
     assert line.startswith("kvcanary: compiling the CUDA kernels with NVRTC for sm_90 (")
     assert str(tmp_path) in line and "KVCANARY_ARCHS" in line and "KVCANARY_CACHE_DIR" in line
     assert capsys.readouterr().err == ""
@@ -114,6 +119,39 @@ def test_archs_env(monkeypatch):
     monkeypatch.setenv("KVCANARY_ARCHS", "ninety")
     with pytest.raises(ValueError, match=r"kv-canary: KVCANARY_ARCHS.*got 'ninety'\. Fix: set it to your GPUs' archs"):
         kc_compile.configured_archs()
+
+
+def test_archs_older_than_sm80_are_refused_in_one_line(monkeypatch):
+    """Catches KVCANARY_ARCHS=75 reaching NVRTC: the kernels need sm_80 (warp reductions), and the
+    compile failed with a 539-line traceback ending in "Fix: correct the source"."""
+    monkeypatch.setenv("KVCANARY_ARCHS", "75,90")
+    with pytest.raises(kc.ValidationError) as err:
+        kc_compile.configured_archs()
+    assert str(err.value).count("\n") == 0 and str(err.value).startswith("kv-canary: KVCANARY_ARCHS names sm_75, "
+                                                                         "older than sm_80")
+    assert "Fix: set only sm_80+ archs" in str(err.value)
+
+
+def test_a_gpu_older_than_sm80_is_refused_in_one_line_before_any_context(monkeypatch):
+    """Catches an sm_75 device (a T4) reaching the compile of its arch at the first launch."""
+    from kvcanary import driver
+    from tests import fake_cuda
+    fake = fake_cuda.install(monkeypatch)
+    attrs = fake_cuda.real.CUdevice_attribute
+    capability = {attrs.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: 7,
+                  attrs.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: 5}
+    monkeypatch.setattr(fake, "cuDeviceGetAttribute", lambda attr, dev: (fake_cuda.OK, capability.get(attr, 40)))
+    retained = []
+    monkeypatch.setattr(fake, "cuDevicePrimaryCtxRetain", lambda dev: retained.append(dev) or (fake_cuda.OK, 0))
+    compiled = []
+    monkeypatch.setattr(kc_compile, "load_kernels", lambda *a, **k: compiled.append(a))
+    with pytest.raises(kc.UnsupportedDeviceError) as err:
+        driver.runtime(0)
+    assert str(err.value) == ("kv-canary: CUDA device 0 is sm_75, older than sm_80, the oldest GPU kvcanary's kernels "
+                              "run on (Ampere: A100, A10, RTX 30xx and newer). Fix: run the canary on an sm_80+ GPU, "
+                              "or on the CPU reference backend (KvCanary(device=None) with host arrays)")
+    assert retained == [] and compiled == []
+    fake_cuda.release(fake)
 
 
 def test_import_never_calls_cuinit(tmp_path):
@@ -167,3 +205,33 @@ def test_warm_import_loads_neither_importlib_metadata_nor_a_thread_pool(tmp_path
     for _ in range(2):  # the first import may compile (a thread pool); the second is warm
         added = loaded(deps + "import kvcanary;") - before
     assert added == set()
+
+
+TINY = {"tiny.cu": 'extern "C" __global__ void kvc_tiny(int* p) { if (p) *p = 1; }\n'}
+
+
+def test_archs_compile_in_parallel_processes_to_the_same_cubins(monkeypatch):
+    """Catches the first import's compile running one arch at a time (NVRTC holds the GIL: a thread
+    pool compiled six archs in 35 s on two cores): every arch past the first goes to a worker
+    process, and each yields the cubin this process would compile."""
+    import subprocess
+    started = []
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a[0]) or real_popen(*a, **k))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    got = dict(kc_compile.compile_archs([80, 90], TINY, ""))
+    workers = [cmd[-1] for cmd in started if "kvcanary.compile" in cmd]
+    assert sorted(got) == [80, 90] and workers == ["90"]
+    for arch, cubin in got.items():
+        assert cubin == kc_compile.compile_cubin(TINY, "", arch)
+
+
+def test_a_worker_that_cannot_start_leaves_its_arch_to_this_process(monkeypatch):
+    import subprocess
+
+    def no_interpreter(*a, **k):
+        raise OSError("no interpreter")
+    monkeypatch.setattr(subprocess, "Popen", no_interpreter)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    got = dict(kc_compile.compile_archs([80, 86, 90], TINY, ""))
+    assert sorted(got) == [80, 86, 90] and all(got.values())

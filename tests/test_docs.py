@@ -167,3 +167,26 @@ def test_pypi_description_has_no_developer_setup():
     assert "pip install kvcanary" in text
     assert "pip install -e" not in text and ".venv" not in text and ".ci/" not in text
     assert "](docs/" not in text and "](../" not in text     # relative links break on PyPI
+
+
+def test_the_readmes_cost_table_is_the_committed_runs():
+    """Catches a README cost table that drifted from perf/RESULTS.md (it said +63 µs for layers="all"
+    at 1 x 4096 where the committed run measured 32.8 µs). Regenerate: python perf/results.py --readme"""
+    import json
+    from perf.results import COMMITTED, load_rows, readme_cost_table, readme_prefill_sentence
+    rows = load_rows(json.loads(COMMITTED["json"].read_text()))
+    want = readme_cost_table(rows)
+    lines = (ROOT / "README.md").read_text().splitlines()
+    start = lines.index(want[0])
+    assert lines[start:start + len(want)] == want
+    assert readme_prefill_sentence(rows) in lines
+
+
+def test_no_text_cites_the_old_spec_name():
+    """Catches references to the old spec name: the behaviour contract is docs/format.md, cited as
+    "docs/format.md §N"."""
+    old = "SPEC" + " §"
+    stale = [f"{p.relative_to(ROOT)}:{i}" for p in [*DOCS, ROOT / "CHANGELOG.md", *ROOT.glob("kvcanary/**/*.py"),
+                                                    *ROOT.glob("tests/**/*.py"), *ROOT.glob("kernels_src/*")]
+             for i, line in enumerate(p.read_text().splitlines(), 1) if old in line]
+    assert stale == []

@@ -9,7 +9,7 @@ in <kernel>" with the example, never pytest. Oracle, in every example: no fault,
 reference defines the outcome, byte equality with kvcanary.reference / reference_plan (called
 directly: tests/fuzz_model.py) of every plan array, the canary buffer, the counters, the write
 index or claim, the skip counter and the ring rows (as a multiset). Where it does not (entry
-offsets that are not non-decreasing; write requests that stamp each other's slots, SPEC §7)
+offsets that are not non-decreasing; write requests that stamp each other's slots, docs/format.md §7)
 only what must hold is checked and the kernel's result is adopted for the next launch.
 
 kvc_snapshot is fixed-size: it copies ``n`` int64 the host chose from the status block, with no

@@ -62,7 +62,7 @@ def _ptx(arch: int) -> str:
         nvrtc.nvrtcDestroyProgram(prog)
 
 
-@pytest.mark.parametrize("arch", sorted({80, 90, *kc_compile.DEFAULT_ARCHS}))
+@pytest.mark.parametrize("arch", sorted({80, 90, *kc_compile.SUPPORTED_ARCHS}))
 def test_the_wait_is_compiled_exactly_from_sm90(arch):
     if arch not in kc_compile.supported_archs():
         pytest.skip(f"this NVRTC cannot target sm_{arch}")

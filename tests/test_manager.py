@@ -131,6 +131,117 @@ def test_overflow_of_verify_capacity_warns():
     assert s.canary.stats()["skipped_verifies"] > 0
 
 
+def test_a_skipped_verify_counts_once_per_step_and_warns_at_the_caller():
+    """Catches a skipped verify counted again by every later report of the same plan (it read 1
+    after the step, 2 after flush, 4 after two polls, and the Prometheus counter followed) and a
+    warning pointing into kvcanary instead of at the line that stepped. docs/format.md defines
+    skipped_verifies as steps whose verify was skipped."""
+    import warnings
+    n = 64
+    k, v = np.zeros((n, 16), np.uint8), np.zeros((n, 16), np.uint8)
+    canary = kc.KvCanary(kc.PoolGroup(n, k_sources=[kc.source_from_slots(k)], v_sources=[kc.source_from_slots(v)]),
+                         device=None, max_batch=2, verify_capacity=16)
+    rtt = np.zeros((3, 64), np.int32)
+    rtt[1, :40] = np.arange(1, 41)
+
+    def step(past, new):
+        b = kc.Batch(req_pool_indices=np.array([1]), prefix_lens=np.array([past]), extend_lens=np.array([new]),
+                     req_to_token=rtt, input_ids=np.arange(past, past + new), positions=np.arange(past, past + new),
+                     out_cache_loc=np.arange(past + 1, past + new + 1))
+        canary.before_forward(b)
+        canary.after_forward(b)
+
+    step(0, 10)  # 10 cached entries: within the capacity
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step(10, 20)  # 10 cached: fine; writes up to position 29
+        assert canary.stats()["skipped_verifies"] == 0
+        step(30, 1)  # 30 cached entries > 16: skipped
+        counts = [canary.stats()["skipped_verifies"]]
+        canary.flush()
+        counts.append(canary.stats()["skipped_verifies"])
+        canary.poll()
+        canary.poll()
+        counts.append(canary.stats()["skipped_verifies"])
+        step(31, 1)  # skipped again: a second step
+        canary.flush()
+        counts.append(canary.stats()["skipped_verifies"])
+    assert counts == [1, 1, 1, 2]
+    skips = [w for w in caught if "verify was skipped" in str(w.message)]
+    assert len(skips) == 2 and all(w.filename == __file__ for w in skips), [(w.filename, w.lineno) for w in skips]
+
+
+def _one_request_canary():
+    n = 64
+    k, v = np.zeros((n, 16), np.uint8), np.zeros((n, 16), np.uint8)
+    canary = kc.KvCanary(kc.PoolGroup(n, k_sources=[kc.source_from_slots(k)], v_sources=[kc.source_from_slots(v)]),
+                         device=None, max_batch=2)
+    rtt = np.zeros((3, 64), np.int32)
+    rtt[1, :40] = np.arange(1, 41)
+
+    def batch(past, new):
+        return kc.Batch(req_pool_indices=np.array([1]), prefix_lens=np.array([past]), extend_lens=np.array([new]),
+                        req_to_token=rtt, input_ids=np.arange(past, past + new),
+                        positions=np.arange(past, past + new), out_cache_loc=np.arange(past + 1, past + new + 1))
+    return canary, batch
+
+
+def test_after_forward_without_before_forward_is_an_error_naming_the_protocol():
+    """Catches a lone TAIL misdiagnosed: on a fresh canary it warned twice to raise verify_capacity
+    (wrong advice) and the health check passed; after a good step it logged an undecoded field code."""
+    import warnings
+    canary, batch = _one_request_canary()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no misleading warning on the way
+        with pytest.raises(kc.ValidationError, match=r"kv-canary: after_forward\(batch\) needs the same step's "
+                                                      r"before_forward\(batch\) first.*Fix: call before_forward"):
+            canary.after_forward(batch(0, 10))
+        canary.before_forward(batch(0, 10))
+        canary.after_forward(batch(0, 10))
+        with pytest.raises(kc.ValidationError, match=r"no before_forward since step 1"):
+            canary.after_forward(batch(10, 1))
+        canary.flush()
+    assert canary.stats()["skipped_verifies"] == 0 and canary.stats()["violations"] == 0
+    canary.health_check()
+
+
+def test_before_forward_twice_warns_and_starts_a_new_step():
+    """An exception in the forward leaves a HEAD without its TAIL: the next HEAD says so and the
+    canary carries on (never an error that would stop every later step)."""
+    canary, batch = _one_request_canary()
+    canary.before_forward(batch(0, 10))
+    with pytest.warns(RuntimeWarning, match=r"before_forward\(\) again without after_forward\(\).*TAIL verify did "
+                                             r"not run") as caught:
+        canary.before_forward(batch(0, 10))
+    assert caught[0].filename == __file__
+    canary.after_forward(batch(0, 10))
+    canary.before_forward(batch(10, 1))
+    canary.after_forward(batch(10, 1))
+    canary.flush()
+    assert canary.stats()["violations"] == 0
+    canary.health_check()
+
+
+def test_a_batch_that_differs_between_head_and_tail_fails_the_health_check_and_names_its_field(caplog):
+    """Catches a health check that passed although a TAIL's batch disagreed with the plan HEAD built
+    (its docstring says it fails), and log lines that left the field code undecoded."""
+    canary, batch = _one_request_canary()
+    for past, new in ((0, 10), (10, 1)):
+        canary.before_forward(batch(past, new))
+        canary.after_forward(batch(past, new))
+    canary.health_check()
+    with caplog.at_level(logging.WARNING, logger="kvcanary"):
+        canary.before_forward(batch(11, 1))
+        canary.after_forward(batch(5, 1))  # another batch: 5 cached entries where the plan has 11
+        canary.flush()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kv_canary violation:")]
+    assert lines and all(line.endswith(" batch_field=ENTRY_COUNT") and "stored_token=11" in line
+                         and "expected_aux=0x0000000000000005" in line for line in lines), lines
+    with pytest.raises(kc.KvCanaryError, match=r"health check failed.*disagreed with the plan built at HEAD: 2 "
+                                                r"BATCH_INDEX_OUT_OF_RANGE rows with batch_field=ENTRY_COUNT"):
+        canary.health_check()
+
+
 def test_sweep_finds_idle_corruption():
     s = Session(hash_mode="all")
     s.script()

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvcanary.compile import DEFAULT_ARCHS, supported_archs
+from kvcanary.compile import SUPPORTED_ARCHS, supported_archs
 from perf.bounds import PROBE_NAMES, compile_probes, probe_sources
 from perf.test_tuning import BLOCKS_PER_SM, TILE_ENTRIES, variant_cubin
 
 
-@pytest.mark.parametrize("arch", DEFAULT_ARCHS)
+@pytest.mark.parametrize("arch", SUPPORTED_ARCHS)
 def test_probes_compile(arch):
     if arch not in supported_archs():
         pytest.skip(f"this NVRTC cannot target sm_{arch}")

@@ -144,7 +144,7 @@ def test_batch_rules():
     z = np.zeros(2, np.int64)
     rtt = np.zeros((4, 8), np.int32)
     kc.build_plan(kc.Batch(z, z, z, rtt), plan)
-    with pytest.raises(ValueError, match=r"batch size must be <= the plan's max_batch \(2\), got 3"):
+    with pytest.raises(ValueError, match=r"batch size must be <= max_batch \(2\), got 3"):
         kc.build_plan(kc.Batch(np.zeros(3, np.int64), np.zeros(3, np.int64), np.zeros(3, np.int64), rtt), plan)
     with pytest.raises(ValidationTypeError, match=r"batch.req_to_token must have dtype int32, got int64. Fix: "):
         kc.build_plan(kc.Batch(z, z, z, rtt.astype(np.int64)), plan)
@@ -163,3 +163,48 @@ def test_validation_never_touches_the_driver(monkeypatch):
     monkeypatch.setattr(driver, "init", lambda: (_ for _ in ()).throw(AssertionError("driver touched")))
     test_marshal_2d_rule_is_the_seed_message()
     test_write_argument_rules()
+
+
+# ---- errors that point at the right thing (issue 31) -------------------------------------------------
+def _small_canary(max_batch=8, n=64):
+    k, v = np.zeros((n, 16), np.uint8), np.zeros((n, 16), np.uint8)
+    return kc.KvCanary(kc.PoolGroup(n, k_sources=[kc.source_from_slots(k)], v_sources=[kc.source_from_slots(v)]),
+                       device=None, max_batch=max_batch)
+
+
+def test_token_arrays_of_different_lengths_are_named_with_every_length():
+    """Catches the error that blamed positions (3, like out_cache_loc) when input_ids (2) was short."""
+    rtt = np.zeros((2, 8), np.int32)
+    b = kc.Batch(req_pool_indices=np.array([1]), prefix_lens=np.array([0]), extend_lens=np.array([3]),
+                 req_to_token=rtt, input_ids=np.arange(2), positions=np.arange(3), out_cache_loc=np.arange(1, 4))
+    with pytest.raises(ValidationError, match=r"kv-canary: the batch's per-token arrays must .* all of one length, "
+                                              r"got input_ids 2, positions 3, out_cache_loc 3\. Fix: "):
+        _small_canary().before_forward(b)
+
+
+def test_a_batch_over_max_batch_names_the_setting_the_user_made():
+    """Catches "Fix: StepPlan.allocate(max_batch>=10, ...)" for a KvCanary(max_batch=8) user."""
+    rtt = np.zeros((11, 8), np.int32)
+    b = kc.Batch(req_pool_indices=np.arange(1, 11), prefix_lens=np.zeros(10, np.int64),
+                 extend_lens=np.ones(10, np.int64), req_to_token=rtt, input_ids=np.arange(10),
+                 positions=np.zeros(10, np.int64), out_cache_loc=np.arange(1, 11))
+    with pytest.raises(ValidationError, match=r"batch size must be <= max_batch \(8\), got 10 requests\. "
+                                              r"Fix: build the canary with KvCanary\(max_batch>=10\)"):
+        _small_canary(max_batch=8).before_forward(b)
+
+
+def test_a_stack_of_layers_is_refused_by_source_from_slots_not_read_as_slots():
+    """Catches a [layers, slots, heads, dim] tensor read as 4 slots (then blamed for covering too few)."""
+    with pytest.raises(ValidationError, match=r"source_from_slots\(pool\) takes one layer's pool.*got a 4-D array of "
+                                              r"shape \(4, 64, 2, 8\).*Fix: pass pool\[layer\], or "
+                                              r"kvcanary.sources_from_layers\(pool\)"):
+        kc.source_from_slots(np.zeros((4, 64, 2, 8), np.uint8))
+    per_layer = kc.sources_from_layers(np.zeros((4, 64, 2, 8), np.uint8))  # what the fix says works
+    assert len(per_layer) == 4
+
+
+def test_a_pool_row_that_is_no_multiple_of_16_bytes_says_so_plainly():
+    """Catches "got '250 bytes per slot (shape (64, 250))' (str)": a type tag leaking into the message."""
+    with pytest.raises(ValidationError) as err:
+        kc.source_from_slots(np.zeros((64, 250), np.uint8))
+    assert "got 250 bytes per slot (shape (64, 250))" in str(err.value) and "(str)" not in str(err.value)
