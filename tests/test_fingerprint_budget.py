@@ -85,3 +85,55 @@ def test_options_are_checked():
     with pytest.raises(ValueError, match=r"^kv-canary: verify\(\) fingerprints every entry of a materialised "
                                          r"plan, got a context with fingerprint_every=4"):
         kc.verify(ctx, plan)
+
+
+def reported_positions(device, every: int, prefills: tuple[int, ...], steps: int) -> list[dict]:
+    """Per decode step k = 1..steps: {row: positions whose TAIL K real-KV mismatch was reported}
+    when one K byte of every cached token of every request is flipped during that step only
+    (requests in rows 1.., prefilled at step 0 with ``prefills`` tokens, one new token a step)."""
+    s = Session(device, fingerprint_every=every, ring_capacity=4096)
+    s.step([(row, list(range(100 * row, 100 * row + n))) for row, n in enumerate(prefills, 1)])
+    out = []
+    for k in range(1, steps + 1):
+        cached = [int(s.rtt[row, p]) for row in range(1, len(prefills) + 1) for p in range(s.lens[row])]
+        s.k[0][cached, 3] ^= 0x40  # inside the 16 bytes PARTIAL fingerprints
+        s.sync_pools()
+        before = len(s.records)
+        s.step([(row, [7000 + k]) for row in range(1, len(prefills) + 1)])
+        s.canary.flush()
+        s.k[0][cached, 3] ^= 0x40
+        s.sync_pools()
+        got: dict = {}
+        for r in s.records[before:]:
+            if r["type"] == "violation":
+                assert r["launch_tag"] == "TAIL_K_FULL" and r["fail_reason"] == ["verify_real_kv_hash"], r
+                row = next(i for i in range(1, len(prefills) + 1) if r["slot_idx"] in s.rtt[i, :s.lens[i]])
+                got.setdefault(row, set()).add(r["position"])
+        out.append(got)
+    return out
+
+
+def budget_by_hand(every: int, prefills: tuple[int, ...], steps: int) -> list[dict]:
+    """docs/format.md §6.1: in step k (phase k + 1) a request whose verified positions end at
+    ``end`` (its cached tokens: prefill + k - 1) has position p fingerprinted when
+    p mod N == (k + 1) mod N, or p >= end - N."""
+    out = []
+    for k in range(1, steps + 1):
+        want = {}
+        for row, n in enumerate(prefills, 1):
+            end = n + k - 1
+            want[row] = {p for p in range(end) if p % every == (k + 1) % every or p >= end - every}
+        out.append(want)
+    return out
+
+
+BOUNDARY_CASES = [(2, (3, 8)), (3, (2, 3, 4)), (5, (4, 5, 6, 13))]  # prefills below, at and above N
+
+
+@pytest.mark.parametrize("every,prefills", BOUNDARY_CASES)
+def test_the_exact_fingerprinted_positions_are_the_formats(every, prefills):
+    """Catches an off-by-one at the "newest N tokens" boundary (``>=`` read as ``>``): the exact
+    set of fingerprinted positions of every request, in every phase, against §6.1 by hand, with
+    requests shorter than, as long as and longer than N."""
+    steps = every + 1  # every phase, and one more
+    assert reported_positions(None, every, prefills, steps) == budget_by_hand(every, prefills, steps)

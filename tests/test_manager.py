@@ -281,3 +281,48 @@ def test_sweep_chains_walks_radix_paths():
     recs = violations(s.records)
     assert recs and {r["launch_tag"] for r in recs} <= {"SWEEP_K_FULL", "SWEEP_V_FULL"}
     assert all({"verify_position", "verify_chain_hash"} & set(r["fail_reason"]) for r in recs)
+
+
+@pytest.mark.parametrize("mode", ["raise", "log"])
+def test_after_a_ring_overflow_self_test_rows_alone_report_nothing(mode, caplog):
+    """Catches a reporter whose early return tested the running overflow total instead of this
+    report's new losses: once the ring had overflowed, every later step whose only new row was the
+    self-test's raised an empty CanaryViolationError (raise) or logged "ring full" again (log). Here
+    a step overflows a 4-row ring, then clean steps with the self-test on report nothing new
+    (raise, log, export), while the self-test heartbeat keeps rising."""
+    n = 64
+    k, v = np.zeros((n, 16), np.uint8), np.zeros((n, 16), np.uint8)
+    records = []
+    canary = kc.KvCanary(kc.PoolGroup(n, k_sources=[kc.source_from_slots(k)], v_sources=[kc.source_from_slots(v)]),
+                         device=None, max_batch=2, mode=mode, ring_capacity=4, self_test_every=1,
+                         export=records.append)
+    rtt = np.zeros((3, 64), np.int32)
+    rtt[1, :40] = np.arange(1, 41)
+
+    def step(past, new):
+        b = kc.Batch(req_pool_indices=np.array([1]), prefix_lens=np.array([past]), extend_lens=np.array([new]),
+                     req_to_token=rtt, input_ids=np.arange(past, past + new), positions=np.arange(past, past + new),
+                     out_cache_loc=np.arange(past + 1, past + new + 1))
+        canary.before_forward(b)
+        canary.after_forward(b)
+
+    step(0, 10)
+    k[1:11] ^= 1  # 10 cached tokens' K bytes change: more violations than the ring holds
+    with caplog.at_level(logging.WARNING, logger="kvcanary"):
+        if mode == "raise":
+            with pytest.raises(kc.CanaryViolationError):
+                step(10, 1)
+        else:
+            step(10, 1)
+    k[1:11] ^= 1
+    before = canary.stats()
+    assert before["ring_overflow"] > 0
+    reported = (len(caplog.records), len([r for r in records if r["type"] == "violation"]))
+    with caplog.at_level(logging.WARNING, logger="kvcanary"):
+        for past in range(11, 14):
+            step(past, 1)  # clean: only the self-test's known-bad row is new
+        canary.flush()
+    after = canary.stats()
+    assert (len(caplog.records), len([r for r in records if r["type"] == "violation"])) == reported
+    assert after["ring_overflow"] == before["ring_overflow"] and after["violations"] == before["violations"]
+    assert after["self_tests"] >= before["self_tests"] + 3

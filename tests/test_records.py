@@ -151,3 +151,31 @@ def test_bad_slots_and_counts_are_refused():
         a.canary.import_records([1, 2], r)
     with pytest.raises(kc.ValidationTypeError, match="CanaryRecords"):
         a.canary.import_records(SRC, r.records)
+
+
+def test_a_subset_round_trips_as_bytes_and_imports_clean():
+    """Catches a subset (``take``) whose descriptor kept the source's record count: it still
+    imported in-process, but its bytes could not be read back (from_bytes sized the records by the
+    descriptor), so a partial transfer could never cross a process. Here the first 4 of 6 records
+    travel as bytes to another canary, land at other slots and read clean; the remaining 2 travel
+    the same way on their own."""
+    a, b = Side(seed=1), Side(seed=2)
+    a.prefill(SRC)
+    exported = a.canary.export_records(SRC)
+    head, tail = exported.take(slice(0, 4)), exported.take([4, 5])
+    for part, n in ((head, 4), (tail, 2)):
+        back = CanaryRecords.from_bytes(part.to_bytes())
+        assert back.n == n == back.descriptor["n"]
+        np.testing.assert_array_equal(back.records, exported.records[:, :4] if n == 4 else exported.records[:, 4:])
+    dst = DST[:4]
+    move_kv(a, b, SRC[:4], dst)
+    b.canary.import_records(dst, CanaryRecords.from_bytes(head.to_bytes()))
+    b.rtt[1, :4] = dst
+    b.rtt[1, 4] = 80
+    step = kc.Batch(np.array([1]), np.array([4]), np.array([1]), b.rtt.copy(), np.array([104]), np.array([4]),
+                    np.array([80], np.int64))  # the sequence's own token at position 4
+    b.canary.before_forward(step)
+    b.canary.after_forward(step)
+    b.canary.flush()
+    assert [r for r in b.records if r["type"] == "violation"] == []
+    assert b.canary.stats()["verified_slots"] == 4 * 4  # the 4 imported records, HEAD and TAIL, K and V

@@ -92,3 +92,25 @@ def test_bad_self_test_every_is_refused(bad):
                                                                                         kc.ValidationTypeError)
     with pytest.raises(kind, match="self_test_every"):
         Session(self_test_every=bad)
+
+
+def test_the_self_tests_stat_and_counter_count_rows_seen_not_rows_due(monkeypatch):
+    """Catches ``stats()["self_tests"]`` (and the Prometheus counter that follows it) reporting how
+    many self-test rows were due instead of how many arrived: the heartbeat an operator alerts on
+    would keep rising after the detector died. Here the check stops writing its rows after the
+    first two steps (one row seen); rows keep falling due, the stat and the counter stay at 1."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from kvcanary import reference
+    from kvcanary.metrics import PrometheusMetrics
+    s = Session(self_test_every=2)
+    registry = prometheus_client.CollectorRegistry()
+    PrometheusMetrics(s.canary, registry=registry)
+    s.play(stop_after=1)  # two steps: the HEAD K verify's run 2 was due and its row arrived
+    assert s.canary.stats()["self_tests"] == 1
+    monkeypatch.setattr(reference, "self_test_rows", lambda *a, **k: np.zeros((0, abi.RING_COLS), np.int64))
+    s.play()
+    s.canary.flush()
+    monitor = s.canary.monitor
+    assert monitor.self_test.due(monitor.runs(monitor.last[0])) == (2 + STEPS) // 2  # the two steps, then the script
+    assert s.canary.stats()["self_tests"] == 1
+    assert registry.get_sample_value("kvcanary_self_tests_total") == 1

@@ -16,6 +16,7 @@ from tests import session as sess_mod
 from kvcanary import driver, memory
 from kvcanary.pump import DEPTH, Pump
 from tests.session import Session
+from tests.test_fingerprint_budget import BOUNDARY_CASES, budget_by_hand, reported_positions
 from tests.test_manager import _flip_kv, _wrong_position, _wrong_rtt
 
 pytestmark = pytest.mark.gpu
@@ -65,6 +66,16 @@ def test_fingerprint_budget_on_gpu_equals_reference(every, fault):
     for name in hb:
         np.testing.assert_array_equal(hb[name], db[name], err_msg=str(name))
     dev.canary.health_check()
+
+
+@pytest.mark.emulated
+@pytest.mark.parametrize("every,prefills", BOUNDARY_CASES)
+def test_the_kernels_fingerprint_exactly_the_formats_positions(every, prefills):
+    """Catches an off-by-one at the budget's "newest N tokens" boundary in the fused verify kernels
+    (the session above never puts a fingerprinted position at the boundary that both sides would
+    see differently): the exact set per request and phase, against docs/format.md §6.1 by hand."""
+    steps = every + 1
+    assert reported_positions(0, every, prefills, steps) == budget_by_hand(every, prefills, steps)
 
 
 class HeadRecordChanged(Session):
@@ -123,6 +134,26 @@ def test_self_test_on_gpu_equals_reference(fused):
     assert [r[6] for r in tests] == [2, 4, 6]  # expected aux: the runs 2, 4, 6 of the 7-step script's HEAD K verify
     assert host.canary.stats()["self_tests"] == dev.canary.stats()["self_tests"] == 3
     dev.canary.health_check()
+
+
+@pytest.mark.emulated
+@pytest.mark.parametrize("fused", [True, False])
+def test_the_kernels_self_test_fails_the_health_check_once_its_record_looks_right(fused):
+    """Catches a device self-test that cannot fail: one that set the position-mismatch bit without
+    comparing the record's position would still send the known-bad row, so the health check would
+    pass. With the canary-only record corrected (the position docs/format.md §11 expects), the
+    kernel's check finds nothing wrong: its rows stop matching the known-bad one, none is counted,
+    and the health check fails."""
+    from kvcanary import abi
+    from kvcanary.manager import Key
+    dev = Session(0, self_test_every=2, fused=fused)
+    ctx = dev.canary.ctx[Key("HEAD", "FULL", "K", "verify")]
+    ctx._self_test.copy_from_host(np.array([abi.SELF_TEST_TOKEN, abi.SELF_TEST_POSITION, 0, 0], np.int64))
+    dev.script()
+    assert [r for r in dev.records if r["type"] == "violation"] == []  # self-test rows are never reported
+    assert dev.canary.stats()["self_tests"] == 0
+    with pytest.raises(kc.KvCanaryError, match=r"self-test: 0 of 3 expected self-test rows arrived.*did not match"):
+        dev.canary.health_check()
 
 
 @pytest.mark.parametrize("fused", [True, False])
