@@ -15,6 +15,7 @@ import kvcanary as kc
 from tests import session as sess_mod
 from kvcanary import driver, memory
 from kvcanary.pump import DEPTH, Pump
+from tests import swa_window
 from tests.session import Session
 from tests.test_fingerprint_budget import BOUNDARY_CASES, budget_by_hand, reported_positions
 from tests.test_manager import _flip_kv, _wrong_position, _wrong_rtt
@@ -76,6 +77,20 @@ def test_the_kernels_fingerprint_exactly_the_formats_positions(every, prefills):
     see differently): the exact set per request and phase, against docs/format.md §6.1 by hand."""
     steps = every + 1
     assert reported_positions(0, every, prefills, steps) == budget_by_hand(every, prefills, steps)
+
+
+@pytest.mark.emulated
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "explicit-plan"])
+@pytest.mark.parametrize("zero_position", [5, 7], ids=["out-of-window-predecessor", "inside-the-window"])
+@pytest.mark.parametrize("hash_mode,layers", swa_window.VARIANTS, ids=["narrow", "many", "wide", "identity"])
+def test_an_swa_windows_slot_0_is_judged_as_the_reference_judges_it(hash_mode, layers, zero_position, fused):
+    """Catches the padding-slot rule applied to the first SWA entry's out-of-window predecessor in
+    any fused-verify variant (a false PADDING_SLOT_READ on a healthy request), and a 0 inside the
+    window not reported: the kernels' rows equal the reference's, which tests/test_swa_window.py
+    holds to docs/format.md §8."""
+    want = swa_window.run(None, hash_mode, layers, zero_position, fused)
+    assert (want == []) == (zero_position == 5)
+    assert swa_window.run(0, hash_mode, layers, zero_position, fused) == want
 
 
 class HeadRecordChanged(Session):
