@@ -1,8 +1,9 @@
-"""A sliding-window (SWA) request whose first verified entry's predecessor lies outside the window and
-maps to the padding slot 0 (docs/format.md §8: an engine frees the SWA slots of out-of-window
+"""A sliding-window (SWA) request whose first verified entry's predecessor lies outside the window
+and maps to the padding slot 0 (docs/format.md §8: an engine frees the SWA slots of out-of-window
 tokens, so 0 there is legitimate and never reported), built for any backend, the fused or the
-explicit-plan verify, and any fused-verify variant: ``hash_mode`` "partial" with 2 sources a half picks the narrow kernels, 4 sources the
-*_many ones, "all" over 64-byte tokens the *_wide ones, "none" the identity-only path."""
+explicit-plan verify, and any fused-verify variant: ``hash_mode`` "partial" with 2 sources a half
+picks the narrow kernels, 4 sources the *_many ones, "all" over 64-byte tokens the *_wide ones,
+"none" the identity-only path."""
 
 from __future__ import annotations
 
@@ -38,7 +39,8 @@ def run(device, hash_mode: str, layers: int, zero_position: int, fused: bool = T
         loc = np.array(slots, np.int64)
         b = kc.Batch(dev(np.array([1], np.int64)), dev(np.array([prefix], np.int64)), dev(np.array([new], np.int64)),
                      dev(rtt.copy()), dev(np.arange(100 + prefix, 100 + prefix + new, dtype=np.int64)),
-                     dev(np.arange(prefix, prefix + new, dtype=np.int64)), dev(loc), swa_out_cache_loc=dev(swa_map[loc]))
+                     dev(np.arange(prefix, prefix + new, dtype=np.int64)), dev(loc),
+                     swa_out_cache_loc=dev(swa_map[loc]))
         canary.before_forward(b)
         for h, ps in pools.items():  # the forward writes the new tokens' K and V in every layer
             for p, d in zip(ps, dpools[h]):

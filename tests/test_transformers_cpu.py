@@ -443,3 +443,31 @@ def test_cpu_offloading_is_refused_naming_the_setting_and_the_fix(space):
         with pytest.raises(kc.ValidationError, match=r"kv-canary: .*CPU offloading.*cpu_offload_space="
                                                       + re.escape(repr(space)) + r".*fix: .*cpu_offload_space=0\.0"):
             resolved_config(model, cpu_offload_space=space)
+
+
+def test_a_persistent_manager_is_checked_in_every_attach():
+    """Catches a canary silently off: with ``persistent_manager=True`` the engine reuses its batch
+    processor, which a second attach found marked as hooked (its patches were gone), so the second
+    generation ran 0 canary steps. Its prefix blocks from the first generation are read again, so
+    the records must live on with the cache: the second generation is checked and clean."""
+    model = make_model("cpu")
+    prompts = make_prompts(6, seed=9, longest=30)
+    gen = transformers.GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1)
+    cb = transformers.ContinuousBatchingConfig(page_size=PAGE, num_blocks=128, max_batch_tokens=64,
+                                               max_requests_per_batch=8, **CONFIG)
+    tc = TransformersCanary(model)
+    runs = []
+    try:
+        for _ in range(2):
+            steps, shared, verified = tc.steps, tc.prefix_shared_tokens, tc.summary()["verified_slots"]
+            with tc:
+                out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb,
+                                           persistent_manager=True)
+            assert all(o.error is None for o in out.values())
+            runs.append((tc.steps - steps, tc.prefix_shared_tokens - shared, tc.summary()["verified_slots"] - verified))
+    finally:
+        model.destroy_cached_continuous_batching_manager()
+    assert tc.detections == []
+    (steps1, _, verified1), (steps2, shared2, verified2) = runs
+    assert steps1 > 0 and steps2 > 0 and verified2 > 0, runs
+    assert shared2 >= PAGE, "expected the second generation to read the first one's prefix blocks"

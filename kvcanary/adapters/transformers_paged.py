@@ -21,13 +21,11 @@ the decode fast path (slots from its block table), torch.compile and the static-
 that graphs and compile add (padding tokens are skipped).
 
 The engine's cache, block pool and scheduling are left whole: canary slots are the cache's own
-token positions (:class:`~.transformers_layout.PagedLayout`), so attaching the canary changes
-neither which blocks requests get nor what is generated. The canary reads what the attention
-reads: request lengths from ``cu_seq_lens_q/k``, slots from ``read_index`` (expanded on the device
-into a ``req_to_token`` map) and ``write_index`` or the block table, tokens and positions from the
-model inputs (:mod:`.transformers_batch`). Only the expected tokens come from the host. Supported: models whose
-layers all use full attention (one cache allocator), one generation at a time; forks
-(``num_return_sequences > 1``) copy KV blocks without their canary records and are refused.
+token positions (:class:`~.transformers_layout.PagedLayout`), so the canary changes neither which
+blocks requests get nor what is generated. It reads what the attention reads
+(:mod:`.transformers_batch`); only the expected tokens come from the host. Supported: models whose
+layers all use full attention, one generation at a time; forks (``num_return_sequences > 1``)
+copy KV blocks without their canary records and are refused.
 """
 
 from __future__ import annotations
@@ -97,7 +95,8 @@ class TransformersCanary:
         self.detections: list[dict] = []
         self.step_log: list[dict] = []
         self._patched: list = []          # (object, attribute name) of every instance patch
-        self._finished: list[dict] = []   # final stats of canaries of earlier sessions
+        self._finished: dict = {}         # the latest stats of each session's canary (by its number)
+        self._sessions = 0
         self._pending = Scheduled()
         self._batches: StepBatches | None = None
         # host seconds the canary spent: building a session's canary; per step, the notes taken after
@@ -157,7 +156,8 @@ class TransformersCanary:
 
         def create_batch_processor():
             processor = original()
-            if getattr(processor, "_kvcanary", None) is not self:
+            # a persistent manager reuses its processor: after a detach (patches gone) hook it again
+            if getattr(processor, "_kvcanary", None) is not self or self.canary is None:
                 self._attach_processor(processor)
             return processor
         self._patch(manager, "_create_batch_processor", create_batch_processor)
@@ -166,19 +166,28 @@ class TransformersCanary:
         self.finish()
         t0 = perf_counter()
         cache = processor.cache
-        layout = PagedLayout(cache)
-        k, v = layout.sources(self.layers)
-        dev = cache.cache_tensor.device
-        device = None if dev.type == "cpu" else (dev.index if dev.index is not None else 0)
         io, runner = processor.inputs_and_outputs, processor.model_runner
-        self.canary = KvCanary(PoolGroup(layout.num_slots, k, v), device=device, hash_mode=self.hash_mode,
-                               mode=self.mode, max_batch=processor.cb_config.max_requests_per_batch,
-                               export=self._record, **self.kvcanary_kwargs)
-        self.cache, self.layout = cache, layout
-        self._batches = StepBatches(layout, self.canary.plans["FULL"].max_batch + 1,
-                                    device if self.stage_on_device else None,
-                                    int(getattr(cache, "max_batch_tokens", 256)))
+        kept = getattr(processor, "_kvcanary_kept", None)
+        if kept is not None and kept[0] is self and kept[3] is cache:
+            # a persistent manager's processor, attached again: its cache (prefix blocks included) lives
+            # on, so its canary records do too (a new canary would report every block stamped before)
+            _, self.canary, self._batches, self.cache, self.layout = kept
+        else:
+            layout = PagedLayout(cache)
+            k, v = layout.sources(self.layers)
+            dev = cache.cache_tensor.device
+            device = None if dev.type == "cpu" else (dev.index if dev.index is not None else 0)
+            self.canary = KvCanary(PoolGroup(layout.num_slots, k, v), device=device, hash_mode=self.hash_mode,
+                                   mode=self.mode, max_batch=processor.cb_config.max_requests_per_batch,
+                                   export=self._record, **self.kvcanary_kwargs)
+            self.cache, self.layout = cache, layout
+            self._batches = StepBatches(layout, self.canary.plans["FULL"].max_batch + 1,
+                                        device if self.stage_on_device else None,
+                                        int(getattr(cache, "max_batch_tokens", 256)))
+            self._sessions += 1
+            self.canary._kvcanary_session = self._sessions
         processor._kvcanary = self
+        processor._kvcanary_kept = (self, self.canary, self._batches, self.cache, self.layout)  # dies with it
         prepare, compute, warmup = io.prepare_batch_tensors, runner.compute_batch, runner.warmup
         # Async batching (two IO pairs): a decoding request's newest token is the previous batch's output,
         # which the forward carries over into input_ids on the device (its first op, in the graph).
@@ -269,22 +278,23 @@ class TransformersCanary:
 
     def finish(self) -> None:
         """Wait for the canary's outstanding reports (synchronises), keep its final numbers and let
-        it go (with it the references that keep this session's KV cache alive)."""
+        it go (with it the references that keep this session's KV cache alive; a persistent
+        manager's processor keeps it, with its cache, for the next attach)."""
         if self.canary is not None:
             t0 = perf_counter()
             self.canary.flush()
-            self._finished.append(self.canary.stats())
+            self._finished[self.canary._kvcanary_session] = self.canary.stats()  # a reattached one: its latest
             self.canary = None
             self.host_seconds["finish"] += perf_counter() - t0
 
     def summary(self) -> dict:
         """Requests, steps, verified slots, protected tokens, detections and the prefix-shared tokens
         (cached tokens of requests admitted with a prefix already in the cache) so far (flushes)."""
-        stats = list(self._finished)
+        stats = dict(self._finished)
         if self.canary is not None:
             self.canary.flush()
-            stats.append(self.canary.stats())
-        total = lambda key: sum(s.get(key, 0) for s in stats)  # noqa: E731
+            stats[self.canary._kvcanary_session] = self.canary.stats()
+        total = lambda key: sum(s.get(key, 0) for s in stats.values())  # noqa: E731
         return {"requests": len(self.requests), "steps": self.steps, "verified_slots": total("verified_slots"),
                 "protected_tokens": total("protected_tokens"), "detections": len(self.detections),
                 "skipped_verifies": total("skipped_verifies"), "prefix_shared_tokens": self.prefix_shared_tokens}
