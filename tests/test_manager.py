@@ -131,25 +131,39 @@ def test_overflow_of_verify_capacity_warns():
     assert s.canary.stats()["skipped_verifies"] > 0
 
 
+def _one_request_canary(**kw):
+    """(a host canary over 64 slots of 16-byte K and V (``kw`` to KvCanary), the Batch of a step of
+    request row 1 (slots 1.. in position order, token = position), its K pool)."""
+    n = 64
+    k, v = np.zeros((n, 16), np.uint8), np.zeros((n, 16), np.uint8)
+    canary = kc.KvCanary(kc.PoolGroup(n, k_sources=[kc.source_from_slots(k)], v_sources=[kc.source_from_slots(v)]),
+                         device=None, **{"max_batch": 2, **kw})
+    rtt = np.zeros((3, 64), np.int32)
+    rtt[1, :40] = np.arange(1, 41)
+
+    def batch(past, new):
+        return kc.Batch(req_pool_indices=np.array([1]), prefix_lens=np.array([past]), extend_lens=np.array([new]),
+                        req_to_token=rtt, input_ids=np.arange(past, past + new),
+                        positions=np.arange(past, past + new), out_cache_loc=np.arange(past + 1, past + new + 1))
+    return canary, batch, k
+
+
+def _step(canary, batch, past, new):
+    b = batch(past, new)
+    canary.before_forward(b)
+    canary.after_forward(b)
+
+
 def test_a_skipped_verify_counts_once_per_step_and_warns_at_the_caller():
     """Catches a skipped verify counted again by every later report of the same plan (it read 1
     after the step, 2 after flush, 4 after two polls, and the Prometheus counter followed) and a
     warning pointing into kvcanary instead of at the line that stepped. docs/format.md defines
     skipped_verifies as steps whose verify was skipped."""
     import warnings
-    n = 64
-    k, v = np.zeros((n, 16), np.uint8), np.zeros((n, 16), np.uint8)
-    canary = kc.KvCanary(kc.PoolGroup(n, k_sources=[kc.source_from_slots(k)], v_sources=[kc.source_from_slots(v)]),
-                         device=None, max_batch=2, verify_capacity=16)
-    rtt = np.zeros((3, 64), np.int32)
-    rtt[1, :40] = np.arange(1, 41)
+    canary, batch, _ = _one_request_canary(verify_capacity=16)
 
     def step(past, new):
-        b = kc.Batch(req_pool_indices=np.array([1]), prefix_lens=np.array([past]), extend_lens=np.array([new]),
-                     req_to_token=rtt, input_ids=np.arange(past, past + new), positions=np.arange(past, past + new),
-                     out_cache_loc=np.arange(past + 1, past + new + 1))
-        canary.before_forward(b)
-        canary.after_forward(b)
+        _step(canary, batch, past, new)
 
     step(0, 10)  # 10 cached entries: within the capacity
     with warnings.catch_warnings(record=True) as caught:
@@ -171,26 +185,11 @@ def test_a_skipped_verify_counts_once_per_step_and_warns_at_the_caller():
     assert len(skips) == 2 and all(w.filename == __file__ for w in skips), [(w.filename, w.lineno) for w in skips]
 
 
-def _one_request_canary():
-    n = 64
-    k, v = np.zeros((n, 16), np.uint8), np.zeros((n, 16), np.uint8)
-    canary = kc.KvCanary(kc.PoolGroup(n, k_sources=[kc.source_from_slots(k)], v_sources=[kc.source_from_slots(v)]),
-                         device=None, max_batch=2)
-    rtt = np.zeros((3, 64), np.int32)
-    rtt[1, :40] = np.arange(1, 41)
-
-    def batch(past, new):
-        return kc.Batch(req_pool_indices=np.array([1]), prefix_lens=np.array([past]), extend_lens=np.array([new]),
-                        req_to_token=rtt, input_ids=np.arange(past, past + new),
-                        positions=np.arange(past, past + new), out_cache_loc=np.arange(past + 1, past + new + 1))
-    return canary, batch
-
-
 def test_after_forward_without_before_forward_is_an_error_naming_the_protocol():
     """Catches a lone TAIL misdiagnosed: on a fresh canary it warned twice to raise verify_capacity
     (wrong advice) and the health check passed; after a good step it logged an undecoded field code."""
     import warnings
-    canary, batch = _one_request_canary()
+    canary, batch, _ = _one_request_canary()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no misleading warning on the way
         with pytest.raises(kc.ValidationError, match=r"kv-canary: after_forward\(batch\) needs the same step's "
@@ -208,7 +207,7 @@ def test_after_forward_without_before_forward_is_an_error_naming_the_protocol():
 def test_before_forward_twice_warns_and_starts_a_new_step():
     """An exception in the forward leaves a HEAD without its TAIL: the next HEAD says so and the
     canary carries on (never an error that would stop every later step)."""
-    canary, batch = _one_request_canary()
+    canary, batch, _ = _one_request_canary()
     canary.before_forward(batch(0, 10))
     with pytest.warns(RuntimeWarning, match=r"before_forward\(\) again without after_forward\(\).*TAIL verify did "
                                              r"not run") as caught:
@@ -225,7 +224,7 @@ def test_before_forward_twice_warns_and_starts_a_new_step():
 def test_a_batch_that_differs_between_head_and_tail_fails_the_health_check_and_names_its_field(caplog):
     """Catches a health check that passed although a TAIL's batch disagreed with the plan HEAD built
     (its docstring says it fails), and log lines that left the field code undecoded."""
-    canary, batch = _one_request_canary()
+    canary, batch, _ = _one_request_canary()
     for past, new in ((0, 10), (10, 1)):
         canary.before_forward(batch(past, new))
         canary.after_forward(batch(past, new))
@@ -290,21 +289,11 @@ def test_after_a_ring_overflow_self_test_rows_alone_report_nothing(mode, caplog)
     self-test's raised an empty CanaryViolationError (raise) or logged "ring full" again (log). Here
     a step overflows a 4-row ring, then clean steps with the self-test on report nothing new
     (raise, log, export), while the self-test heartbeat keeps rising."""
-    n = 64
-    k, v = np.zeros((n, 16), np.uint8), np.zeros((n, 16), np.uint8)
     records = []
-    canary = kc.KvCanary(kc.PoolGroup(n, k_sources=[kc.source_from_slots(k)], v_sources=[kc.source_from_slots(v)]),
-                         device=None, max_batch=2, mode=mode, ring_capacity=4, self_test_every=1,
-                         export=records.append)
-    rtt = np.zeros((3, 64), np.int32)
-    rtt[1, :40] = np.arange(1, 41)
+    canary, batch, k = _one_request_canary(mode=mode, ring_capacity=4, self_test_every=1, export=records.append)
 
     def step(past, new):
-        b = kc.Batch(req_pool_indices=np.array([1]), prefix_lens=np.array([past]), extend_lens=np.array([new]),
-                     req_to_token=rtt, input_ids=np.arange(past, past + new), positions=np.arange(past, past + new),
-                     out_cache_loc=np.arange(past + 1, past + new + 1))
-        canary.before_forward(b)
-        canary.after_forward(b)
+        _step(canary, batch, past, new)
 
     step(0, 10)
     k[1:11] ^= 1  # 10 cached tokens' K bytes change: more violations than the ring holds
