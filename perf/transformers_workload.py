@@ -51,7 +51,7 @@ def build(model: str):
 LOOPS: list = []  # seconds of each generation loop run (the background thread's), appended by the wrapper
 
 
-def _time_the_loop() -> None:
+def time_the_loop() -> None:
     """Wrap ``ContinuousBatchingManager._run_generation_loop`` (once, on the class) to record how
     long each generation loop runs: every step of the generation, without the manager's set-up,
     cache allocation and warm-up (graph captures), whose time varies from run to run by more than
@@ -76,7 +76,7 @@ def generate(model, prompts, engine: str, canary=None) -> tuple[float, float, li
     in request order), ``canary`` attached (a TransformersCanary) or not."""
     import torch
     import transformers
-    _time_the_loop()
+    time_the_loop()
     gen = transformers.GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=-1)
     cb = transformers.ContinuousBatchingConfig(page_size=16, num_blocks=NUM_BLOCKS, max_batch_tokens=512,
                                                max_requests_per_batch=REQUESTS, **ENGINES[engine])
