@@ -166,6 +166,7 @@ def compile_cubin(sources: dict[str, str], prelude: str, arch: int,
 
 
 WORKER_ENV = "KVCANARY_COMPILE_WORKER"  # set in a compile worker: its ``import kvcanary`` compiles nothing
+WORKER_TIMEOUT_S = 300  # a worker that has not delivered its cubin by then is killed; its arch compiles here
 
 
 def compile_archs(archs, sources: dict[str, str], prelude: str):
@@ -190,6 +191,7 @@ def compile_archs(archs, sources: dict[str, str], prelude: str):
                                         env={**os.environ, WORKER_ENV: "1"})
                 proc.stdin.write(payload)
                 proc.stdin.close()
+                proc.stdin = None  # written: communicate() below only reads
             except OSError:  # no interpreter to start (an embedded Python): compile it here
                 mine.append(a)
                 continue
@@ -207,8 +209,13 @@ def compile_archs(archs, sources: dict[str, str], prelude: str):
             yield done(a, compile_cubin(sources, prelude, a))
         if running:
             a, proc = running.pop(0)
-            cubin = proc.stdout.read()
-            if proc.wait() == 0 and cubin:
+            try:
+                cubin, _ = proc.communicate(timeout=WORKER_TIMEOUT_S)
+            except subprocess.TimeoutExpired:  # never wait forever on a worker: compile it here instead
+                proc.kill()
+                proc.communicate()
+                cubin = b""
+            if proc.returncode == 0 and cubin:
                 yield done(a, cubin)
             else:  # compile it here: the same compile, with its error if it fails
                 mine.append(a)

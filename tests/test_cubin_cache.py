@@ -235,3 +235,23 @@ def test_a_worker_that_cannot_start_leaves_its_arch_to_this_process(monkeypatch)
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
     got = dict(kc_compile.compile_archs([80, 86, 90], TINY, ""))
     assert sorted(got) == [80, 86, 90] and all(got.values())
+
+
+def test_a_worker_that_hangs_is_killed_and_its_arch_compiled_here(monkeypatch):
+    """Never wait forever: a worker that delivers nothing in time is killed, and this process
+    compiles its arch (an import must not hang on a stuck child)."""
+    import subprocess
+    import sys
+    real_popen = subprocess.Popen
+    hung = []
+
+    def sleeper(cmd, *a, **k):  # a worker that reads its input and then never answers
+        proc = real_popen([sys.executable, "-c", "import sys, time; sys.stdin.buffer.read(); time.sleep(60)"], *a, **k)
+        hung.append(proc)
+        return proc
+    monkeypatch.setattr(subprocess, "Popen", sleeper)
+    monkeypatch.setattr(kc_compile, "WORKER_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    got = dict(kc_compile.compile_archs([80, 90], TINY, ""))
+    assert sorted(got) == [80, 90] and got[90] == kc_compile.compile_cubin(TINY, "", 90)
+    assert len(hung) == 1 and hung[0].returncode is not None  # killed, not left behind
