@@ -5,8 +5,8 @@ compiles them. NVRTC needs no driver and no GPU, so this runs on CPU-only machin
 Cubins, not PTX: a driver older than NVRTC rejects its PTX but loads its cubins. Never calls cuInit.
 Environment: ``KVCANARY_ARCHS`` (comma-separated, e.g. "80,90"; default :data:`DEFAULT_ARCHS`).
 A cold compile (nothing in the cache) first prints one line on stderr saying so, then one per
-finished arch (each arch past the first compiles in a worker process: NVRTC holds the GIL); a
-warm import prints nothing.
+finished arch (each arch past the first compiles in a worker process, :mod:`.parallel_compile`:
+NVRTC holds the GIL); a warm import prints nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ SUPPORTED_ARCHS = (80, 86, 89, 90, 100, 120)
 DEFAULT_ARCHS = (80, 90)
 OPTIONS = ("-std=c++17", "--device-as-default-execution-space", "-lineinfo")
 PRELUDE_NAME = "kvcanary_abi.cuh"
+WORKER_ENV = "KVCANARY_COMPILE_WORKER"  # set in a parallel_compile worker: its ``import kvcanary`` compiles nothing
 
 
 def kernels_dir() -> Path:
@@ -165,72 +166,6 @@ def compile_cubin(sources: dict[str, str], prelude: str, arch: int,
         nvrtc.nvrtcDestroyProgram(prog)
 
 
-WORKER_ENV = "KVCANARY_COMPILE_WORKER"  # set in a compile worker: its ``import kvcanary`` compiles nothing
-WORKER_TIMEOUT_S = 300  # a worker that has not delivered its cubin by then is killed; its arch compiles here
-
-
-def compile_archs(archs, sources: dict[str, str], prelude: str):
-    """Yield (arch, cubin) for every arch, compiled in parallel: NVRTC holds the GIL, so each arch
-    past the first goes to a worker process (``python -m kvcanary.compile``) while this process
-    compiles the first, up to one per CPU at a time. Each finished arch prints a progress line on
-    stderr. A worker that fails leaves its arch to this process (the same compile, its errors)."""
-    import subprocess  # only on a cache miss
-    import time
-    t0, archs = time.perf_counter(), list(archs)
-    slots = max(1, min(len(archs), os.cpu_count() or 1))
-    payload = repr((sources, prelude)).encode()
-    pending = list(archs[1:])
-    running: list[tuple[int, subprocess.Popen]] = []
-
-    def start() -> None:
-        while pending and len(running) < slots - 1:
-            a = pending.pop(0)
-            try:  # stderr discarded: a failed arch is compiled again here, where its log is raised
-                proc = subprocess.Popen([sys.executable, "-m", "kvcanary.compile", str(a)], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                        env={**os.environ, WORKER_ENV: "1"})
-                proc.stdin.write(payload)
-                proc.stdin.close()
-                proc.stdin = None  # written: communicate() below only reads
-            except OSError:  # no interpreter to start (an embedded Python): compile it here
-                mine.append(a)
-                continue
-            running.append((a, proc))
-
-    def done(a: int, cubin: bytes) -> tuple[int, bytes]:
-        print(f"kvcanary: compiled sm_{a} ({time.perf_counter() - t0:.1f} s)", file=sys.stderr, flush=True)
-        return a, cubin
-
-    mine = archs[:1]
-    start()
-    while mine or running or pending:
-        if mine:
-            a = mine.pop(0)
-            yield done(a, compile_cubin(sources, prelude, a))
-        if running:
-            a, proc = running.pop(0)
-            try:
-                cubin, _ = proc.communicate(timeout=WORKER_TIMEOUT_S)
-            except subprocess.TimeoutExpired:  # never wait forever on a worker: compile it here instead
-                proc.kill()
-                proc.communicate()
-                cubin = b""
-            if proc.returncode == 0 and cubin:
-                yield done(a, cubin)
-            else:  # compile it here: the same compile, with its error if it fails
-                mine.append(a)
-        start()
-        if not running and pending:
-            mine.append(pending.pop(0))
-
-
-def _worker() -> None:
-    """``python -m kvcanary.compile ARCH``: the cubin of (sources, prelude) read from stdin."""
-    import ast
-    sources, prelude = ast.literal_eval(sys.stdin.buffer.read().decode())
-    sys.stdout.buffer.write(compile_cubin(sources, prelude, int(sys.argv[1])))
-
-
 @dataclass(repr=False)
 class CompiledKernels:
     """Cubins by arch plus what the doctor reports about how they were obtained. Its repr names
@@ -295,6 +230,7 @@ def load_kernels(archs: tuple[int, ...] | None = None, cache: CubinCache | None 
         todo = [a for a in todo if a in available]
         if todo:
             print(compile_notice(todo, cache.directory), file=sys.stderr, flush=True)
+        from .parallel_compile import compile_archs  # only on a cache miss
         for a, cubin in compile_archs(todo, sources, prelude):
             cache.put(keys[a], cubin)
             cubins[a] = cubin
@@ -313,7 +249,3 @@ def loaded() -> CompiledKernels | None:
     """The configured archs' kernels as the last default :func:`load_kernels` (``import kvcanary``)
     left them, or None."""
     return _LOADED
-
-
-if __name__ == "__main__":
-    _worker()

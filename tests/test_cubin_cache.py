@@ -16,6 +16,7 @@ import kvcanary as kc
 
 from kvcanary import cubin_cache as kcache
 from kvcanary import compile as kc_compile
+from kvcanary import parallel_compile as kc_parallel
 
 BASE = dict(schema="s", kvcanary="0.1", nvrtc=(13, 0), arch=90, options=("-a",), prelude=b"p", sources=(("a.cu", b"x"),))
 
@@ -219,8 +220,8 @@ def test_archs_compile_in_parallel_processes_to_the_same_cubins(monkeypatch):
     real_popen = subprocess.Popen
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a[0]) or real_popen(*a, **k))
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    got = dict(kc_compile.compile_archs([80, 90], TINY, ""))
-    workers = [cmd[-1] for cmd in started if "kvcanary.compile" in cmd]
+    got = dict(kc_parallel.compile_archs([80, 90], TINY, ""))
+    workers = [cmd[-1] for cmd in started if "kvcanary.parallel_compile" in cmd]
     assert sorted(got) == [80, 90] and workers == ["90"]
     for arch, cubin in got.items():
         assert cubin == kc_compile.compile_cubin(TINY, "", arch)
@@ -233,7 +234,7 @@ def test_a_worker_that_cannot_start_leaves_its_arch_to_this_process(monkeypatch)
         raise OSError("no interpreter")
     monkeypatch.setattr(subprocess, "Popen", no_interpreter)
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
-    got = dict(kc_compile.compile_archs([80, 86, 90], TINY, ""))
+    got = dict(kc_parallel.compile_archs([80, 86, 90], TINY, ""))
     assert sorted(got) == [80, 86, 90] and all(got.values())
 
 
@@ -250,8 +251,8 @@ def test_a_worker_that_hangs_is_killed_and_its_arch_compiled_here(monkeypatch):
         hung.append(proc)
         return proc
     monkeypatch.setattr(subprocess, "Popen", sleeper)
-    monkeypatch.setattr(kc_compile, "WORKER_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(kc_parallel, "WORKER_TIMEOUT_S", 0.5)
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    got = dict(kc_compile.compile_archs([80, 90], TINY, ""))
+    got = dict(kc_parallel.compile_archs([80, 90], TINY, ""))
     assert sorted(got) == [80, 90] and got[90] == kc_compile.compile_cubin(TINY, "", 90)
     assert len(hung) == 1 and hung[0].returncode is not None  # killed, not left behind
