@@ -1,24 +1,21 @@
 """An engine's step staged on the device into persistent Batch buffers: one launch per step
 (kernels_src/stage.cu) instead of an adapter's framework ops.
 
-An adapter that builds the canary's :class:`~kvcanary.Batch` with framework ops (slices,
-subtractions, casts, gathers) pays a launch's host time for each and hands the canary new tensors
-every step, which it must key and patch into its launches. A stager does the same in one kernel
-into buffers it owns, and hands back the same Batch object for every step of one shape, so the
-canary's launches replay without keying its arrays and a captured CUDA graph keeps every address.
-The Batch's views name the stream the step was staged on, so a canary step given no stream of its
-own runs there, after the staging.
+An adapter that builds the canary's :class:`~kvcanary.Batch` with framework ops pays a launch's
+host time for each and hands the canary new tensors every step to key. A stager does the same in
+one kernel into buffers it owns and hands back the same Batch object for every step of one shape,
+so the canary's launches replay without keying and a captured CUDA graph keeps every address. The
+Batch's views name the stream the step was staged on (a canary step given no stream runs there).
 
 - :class:`VllmBatchStager`: vLLM attention metadata, the values of :func:`~.vllm.vllm_batch`;
 - :class:`PagedBatchStager`: cumulative query / key lengths and physical cache indices (transformers
   continuous batching), the values of :class:`~.transformers_batch.StepBatches`' torch path.
 
-Per call the engine's arrays are keyed (layout and address, as the canary keys a Batch), validated
-once per layout (int32 or int64 integer arrays on the stager's device, contiguous, with extents
-that cover what the kernel reads) and the packed launch replayed with their addresses on the
-caller's stream (explicit, else the framework's current stream). Nothing is read back to the
-host. Values are not checked: a wrong length or index becomes a wrong slot in the Batch, which the
-canary bound-checks and reports.
+Per call the engine's arrays are keyed (layout and address), validated once per layout (int32 or
+int64, on the stager's device, contiguous, covering what the kernel reads) and the packed launch
+replayed with their addresses on the caller's stream (explicit, else the framework's current one).
+Nothing is read back to the host; values are not checked: a wrong length or index becomes a wrong
+slot in the Batch, which the canary bound-checks and reports.
 """
 
 from __future__ import annotations
