@@ -86,8 +86,9 @@ class Violation:
                "stored_token": self.stored_token, "expected_token": self.expected_token,
                "stored_chain_hash": f"0x{self.stored_chain_hash:016x}",
                "expected_aux": f"0x{self.expected_aux:016x}"}
-        if self.batch_field is not None:
-            out["batch_field"] = self.batch_field
+        field = self.batch_field
+        if field is not None:
+            out["batch_field"] = field
         return {**out, **extra}
 
     def to_json(self, **extra) -> str:

@@ -27,15 +27,14 @@ class Scheduled:
     ids: list = field(default_factory=list)
     positions: list = field(default_factory=list)
     max_len: int = 0
-    unknown: int = 0  # tokens the host does not know yet (-1 in ids): async batching's carried-over tokens
 
 
 @dataclass
 class StepInfo:
     """One engine step as the hooks see it: ``requests`` is ``[(request_id, past_len, query_len)]``
     in batch order, ``states`` the matching RequestState objects, ``batch_data`` the model kwargs
-    (device tensors), ``cache`` the PagedAttentionCache, ``batch`` the canary's Batch (set before
-    the forward)."""
+    (device tensors), ``cache`` the PagedAttentionCache, ``batch`` the canary's Batch as torch
+    tensors (set for ``after_step``)."""
 
     step: int
     requests: list
@@ -205,7 +204,7 @@ class StepBatches:
         exp[0, :m] = torch.tensor(pending.ids[:m], dtype=torch.int64)
         exp[1, :m] = torch.tensor(pending.positions[:m], dtype=torch.int64)
         exp = exp.to(ids.device, non_blocking=cuda)
-        if pending.unknown:
+        if -1 in pending.ids[:m]:  # async batching's carried-over tokens
             return torch.where(exp[0] < 0, ids, exp[0]), exp[1]
         return exp[0], exp[1]
 
@@ -229,7 +228,7 @@ class _PinnedRing:
     DEPTH = 4
 
     def __init__(self):
-        self.buffers, self.events, self.turn = [], [], -1
+        self.buffers, self.events, self.recorded, self.turn = [], [], [], -1
 
     def take(self, n: int):
         """(a free pinned tensor of >= n elements, its numpy view)."""

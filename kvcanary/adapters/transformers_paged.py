@@ -96,7 +96,7 @@ class TransformersCanary:
         self.step_log: list[dict] = []
         self._patched: list = []          # (object, attribute name) of every instance patch
         self._finished: dict = {}         # the latest stats of each session's canary (by its number)
-        self._sessions = 0
+        self._sessions = self._session = 0  # canaries built so far; the current one's number
         self._pending = Scheduled()
         self._batches: StepBatches | None = None
         # host seconds the canary spent: building a session's canary; per step, the notes taken after
@@ -171,7 +171,7 @@ class TransformersCanary:
         if kept is not None and kept[0] is self and kept[3] is cache:
             # a persistent manager's processor, attached again: its cache (prefix blocks included) lives
             # on, so its canary records do too (a new canary would report every block stamped before)
-            _, self.canary, self._batches, self.cache, self.layout = kept
+            _, self.canary, self._batches, self.cache, self.layout, self._session = kept
         else:
             layout = PagedLayout(cache)
             k, v = layout.sources(self.layers)
@@ -185,9 +185,9 @@ class TransformersCanary:
                                         device if self.stage_on_device else None,
                                         int(getattr(cache, "max_batch_tokens", 256)))
             self._sessions += 1
-            self.canary._kvcanary_session = self._sessions
+            self._session = self._sessions
         processor._kvcanary = self
-        processor._kvcanary_kept = (self, self.canary, self._batches, self.cache, self.layout)  # dies with it
+        processor._kvcanary_kept = (self, self.canary, self._batches, self.cache, self.layout, self._session)
         prepare, compute, warmup = io.prepare_batch_tensors, runner.compute_batch, runner.warmup
         # Async batching (two IO pairs): a decoding request's newest token is the previous batch's output,
         # which the forward carries over into input_ids on the device (its first op, in the graph).
@@ -228,9 +228,7 @@ class TransformersCanary:
             self.requests.add(state.request_id)
             p.requests.append((state.request_id, past, q))
             p.states.append(state)
-            ids = tokens(state, past, q)
-            p.unknown += ids.count(-1)
-            p.ids.extend(ids)
+            p.ids.extend(tokens(state, past, q))
             p.positions.extend(range(past, past + q))
             p.max_len = max(p.max_len, past + q)
         self._pending = p
@@ -283,7 +281,7 @@ class TransformersCanary:
         if self.canary is not None:
             t0 = perf_counter()
             self.canary.flush()
-            self._finished[self.canary._kvcanary_session] = self.canary.stats()  # a reattached one: its latest
+            self._finished[self._session] = self.canary.stats()  # a reattached canary: its latest
             self.canary = None
             self.host_seconds["finish"] += perf_counter() - t0
 
@@ -293,7 +291,7 @@ class TransformersCanary:
         stats = dict(self._finished)
         if self.canary is not None:
             self.canary.flush()
-            stats[self.canary._kvcanary_session] = self.canary.stats()
+            stats[self._session] = self.canary.stats()
         total = lambda key: sum(s.get(key, 0) for s in stats.values())  # noqa: E731
         return {"requests": len(self.requests), "steps": self.steps, "verified_slots": total("verified_slots"),
                 "protected_tokens": total("protected_tokens"), "detections": len(self.detections),

@@ -200,7 +200,6 @@ def carried_step(seed: int, n: int):
     pending.ids = [int(x) for x in rng.integers(0, 1 << 20, t)]
     pending.ids[2] = -1
     pending.positions = list(range(t))
-    pending.unknown = 1
     return data, pending, carry, prev
 
 
