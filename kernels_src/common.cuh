@@ -94,8 +94,11 @@ __device__ __forceinline__ uint64_t kvc_slot_hash(const P& p, long long slot) {
 // int32 is the v1 write index): row i is kept at i % capacity iff i - consumed < capacity, where
 // the host advances `consumed` once it has taken the rows before it; with consumed = 0 that is
 // fill once again. Rows not kept are counted by the claim, never stored over unread rows.
+// `request`: the batch index the row is attributed to, KVC_NO_REQUEST for none (§5.6): its bits are
+// ORed into that request's verdict word whether or not the row is kept, and a kept row's request
+// is stored beside it.
 template <class P>
-__device__ __noinline__ void kvc_record(const P& p, long long slot, long long position,
+__device__ __noinline__ void kvc_record(const P& p, long long request, long long slot, long long position,
                                         long long stored_token, long long expected_token,
                                         uint64_t stored_chain, uint64_t expected_aux, long long bits) {
   long long i, at = KVC_NO_RING_ROW;
@@ -117,17 +120,22 @@ __device__ __noinline__ void kvc_record(const P& p, long long slot, long long po
     row[KVC_COL_STORED_CHAIN_HASH] = (long long)stored_chain;
     row[KVC_COL_EXPECTED_AUX] = (long long)expected_aux;
     row[KVC_COL_FAIL_REASON_BITS] = bits;
+    if (p.ring_requests != 0) p.ring_requests[at] = request;
+  }
+  if (p.verdicts != 0 && request >= 0 && request < p.verdict_len) {
+    const unsigned long long before = atomicOr(p.verdicts + request, (unsigned long long)bits);
+    if (before == 0ULL && p.failed_requests != 0) atomicAdd(p.failed_requests, 1ULL);
   }
   __threadfence_system();
 }
 
 // A BATCH_INDEX_OUT_OF_RANGE row (abi.BatchField names the columns): slot KVC_NO_SLOT unless the
-// value names one, the request's index in the batch (KVC_NO_REQUEST for the flat token arrays),
-// the value read, the field, the bound it broke.
+// value names one, the request's index in the batch (KVC_NO_REQUEST for the flat token arrays; the
+// row is attributed to it), the value read, the field, the bound it broke.
 template <class P>
 __device__ __forceinline__ void kvc_record_batch(const P& p, long long slot, long long request, long long field,
                                                  long long value, long long bound) {
-  kvc_record(p, slot, request, value, field, 0, (uint64_t)bound, KVC_BATCH_INDEX_OUT_OF_RANGE);
+  kvc_record(p, request, slot, request, value, field, 0, (uint64_t)bound, KVC_BATCH_INDEX_OUT_OF_RANGE);
 }
 
 // Warp-aggregated add of per-lane counts (every lane of the warp must call it).

@@ -13,7 +13,7 @@ extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_copy_records
   for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < p.n; i += stride) {
     const long long slot = p.slots[i];
     if (slot < 0 || slot >= p.num_slots) {
-      kvc_record(p, slot, i, 0, KVC_NO_EXPECTED_TOKEN, 0, 0, KVC_SLOT_OUT_OF_RANGE);
+      kvc_record(p, KVC_NO_REQUEST, slot, i, 0, KVC_NO_EXPECTED_TOKEN, 0, 0, KVC_SLOT_OUT_OF_RANGE);
       continue;
     }
     for (int b = 0; b < nb; ++b) {

@@ -62,7 +62,7 @@ __device__ __noinline__ void kvc_self_test(const P& p, unsigned long long run) {
   long long bits = KVC_SELF_TEST;
   if (position != KVC_SELF_TEST_POSITION) bits |= KVC_VERIFY_POSITION_MISMATCH;
   if (token != KVC_SELF_TEST_TOKEN) bits |= KVC_VERIFY_TOKEN_MISMATCH;
-  kvc_record(p, p.num_slots, KVC_SELF_TEST_POSITION, token, KVC_SELF_TEST_TOKEN, (uint64_t)f[KVC_FIELD_PREV_HASH],
+  kvc_record(p, KVC_NO_REQUEST, p.num_slots, KVC_SELF_TEST_POSITION, token, KVC_SELF_TEST_TOKEN, (uint64_t)f[KVC_FIELD_PREV_HASH],
              (uint64_t)run, bits);
 }
 
@@ -102,7 +102,8 @@ __device__ __forceinline__ T kvc_from_prev_entry(const T* x, int v) {
 // chain value is used instead of loading the record again. Predecessors follow the plan's
 // values (§8): -1 a chain head, 0 not checked, KVC_PREV_ON_PADDING not checked and reported.
 // `fp[v]`: entry v's real KV is fingerprinted and compared (the fingerprint budget, §6.1).
-// Every lane of the warp must call it (shuffles).
+// `first`: the tile's first verified entry (lane l's entry v is first - 1 + v * 32 + l), whose
+// owner a row is attributed to (§5.6). Every lane of the warp must call it (shuffles).
 // How a verify kernel fingerprints: one source's strips per lane (narrow), many sources batched per
 // lane (many), a warp's strips fetched together (wide), or not at all: the caller's fingerprints
 // (given; the block-spread *_many fold).
@@ -114,11 +115,43 @@ __device__ __forceinline__ bool kvc_tile_owns(const P& p, bool held, long long s
   return held && slot > 0 && slot < p.num_slots;
 }
 
+// The request a row of verify entry e is attributed to (§5.6): the last r with offsets[r] <= e among
+// the batch's requests, from the plan builder's entry offsets (for non-decreasing offsets, the
+// request that owns e). Looked up only for an entry that gives a row, so the clean path holds no
+// request per entry. KVC_NO_REQUEST without offsets (a sweep's plan).
+__device__ __forceinline__ long long kvc_owner_of(const long long* offsets, long long n, long long e) {
+  if (offsets == 0 || n <= 0) return KVC_NO_REQUEST;
+  long long lo = 0, hi = n;  // the answer is in [0, n) whatever the offsets hold
+  while (hi - lo > 1) {
+    const long long mid = (lo + hi) >> 1;
+    if (offsets[mid] <= e) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+__device__ __forceinline__ long long kvc_row_request(const KvcFusedVerifyParams& p, long long e) {
+  return kvc_owner_of(p.entry_offsets, p.batch_size, e);
+}
+
+__device__ __forceinline__ long long kvc_row_request(const KvcVerifyParams& p, long long e) {
+  return kvc_owner_of(p.plan_entry_offsets, p.plan_requests, e);
+}
+
+// The row of verify entry e, attributed to its request (out of line: the clean path keeps only e).
+template <class P>
+__device__ __noinline__ void kvc_record_entry(const P& p, long long e, long long slot, long long position,
+                                              long long stored_token, long long expected_token,
+                                              uint64_t stored_chain, uint64_t expected_aux, long long bits) {
+  kvc_record(p, kvc_row_request(p, e), slot, position, stored_token, expected_token, stored_chain, expected_aux,
+             bits);
+}
+
 template <int VT, int FOLD, class P>
 __device__ __forceinline__ void kvc_verify_tile(const P& p, const long long* slot, const long long* prev,
-                                                const long long* etok, const long long* epos, const bool* held,
-                                                const bool* live, const bool* nb_prev, const bool* fp, bool check,
-                                                KvcWideStage* stage, const uint64_t* given = nullptr) {
+                                                const long long* etok, const long long* epos, long long first,
+                                                const bool* held, const bool* live, const bool* nb_prev,
+                                                const bool* fp, bool check, KvcWideStage* stage,
+                                                const uint64_t* given = nullptr) {
   const bool vec = (p.slot_stride_words & 1) == 0 && (unsigned long long)p.canary % sizeof(longlong2) == 0;
   bool own[VT], direct[VT];  // loads this entry's record; loads the predecessor's record itself
 #pragma unroll
@@ -154,34 +187,33 @@ __device__ __forceinline__ void kvc_verify_tile(const P& p, const long long* slo
   for (int v = 0; v < VT; ++v) {
     const uint64_t nb_hash = kvc_from_prev_entry<VT>(succ, v);  // every lane shuffles
     if (!live[v]) continue;
-    if (slot[v] == KVC_PADDING_SLOT) {  // a real request never reads the padding slot
-      kvc_record(p, slot[v], epos[v], 0, KVC_NO_EXPECTED_TOKEN, 0, 0, KVC_PADDING_SLOT_READ);
-      continue;
-    }
-    if (!own[v]) {
-      kvc_record(p, slot[v], epos[v], 0, KVC_NO_EXPECTED_TOKEN, 0, 0, KVC_SLOT_OUT_OF_RANGE);
-      continue;
-    }
     const KvcRecord& r = rec[v];
     long long bits = 0;
     uint64_t expected_chain = r.prev_hash;  // not checked (a predecessor on the padding slot)
-    if (prev[v] == KVC_CHAIN_HEAD) {
-      expected_chain = kvc_sm(KVC_ANCHOR);
-    } else if (prev[v] == KVC_PREV_ON_PADDING) {
-      bits |= KVC_PADDING_SLOT_READ;
-    } else if (prev[v] < 0 || prev[v] >= p.num_slots) {
-      expected_chain = 0;
-      bits |= KVC_VERIFY_CHAIN_HASH_MISMATCH | KVC_SLOT_OUT_OF_RANGE;
-    } else if (prev[v] != KVC_PADDING_SLOT) {
-      expected_chain = direct[v] ? prev_hash[v] : nb_hash;
+    if (slot[v] == KVC_PADDING_SLOT || !own[v]) {  // a real request never reads the padding slot
+      bits = slot[v] == KVC_PADDING_SLOT ? KVC_PADDING_SLOT_READ : KVC_SLOT_OUT_OF_RANGE;
+    } else {
+      if (prev[v] == KVC_CHAIN_HEAD) {
+        expected_chain = kvc_sm(KVC_ANCHOR);
+      } else if (prev[v] == KVC_PREV_ON_PADDING) {
+        bits |= KVC_PADDING_SLOT_READ;
+      } else if (prev[v] < 0 || prev[v] >= p.num_slots) {
+        expected_chain = 0;
+        bits |= KVC_VERIFY_CHAIN_HASH_MISMATCH | KVC_SLOT_OUT_OF_RANGE;
+      } else if (prev[v] != KVC_PADDING_SLOT) {
+        expected_chain = direct[v] ? prev_hash[v] : nb_hash;
+      }
+      if (r.prev_hash != expected_chain) bits |= KVC_VERIFY_CHAIN_HASH_MISMATCH;
+      if (r.position != epos[v]) bits |= KVC_VERIFY_POSITION_MISMATCH;
+      if (fp[v] && r.real_kv_hash != rkv[v]) bits |= KVC_VERIFY_REAL_KV_HASH_MISMATCH;
+      if (check && etok[v] != KVC_NO_EXPECTED_TOKEN && r.token != etok[v]) bits |= KVC_VERIFY_TOKEN_MISMATCH;
     }
-    if (r.prev_hash != expected_chain) bits |= KVC_VERIFY_CHAIN_HASH_MISMATCH;
-    if (r.position != epos[v]) bits |= KVC_VERIFY_POSITION_MISMATCH;
-    if (fp[v] && r.real_kv_hash != rkv[v]) bits |= KVC_VERIFY_REAL_KV_HASH_MISMATCH;
-    if (check && etok[v] != KVC_NO_EXPECTED_TOKEN && r.token != etok[v]) bits |= KVC_VERIFY_TOKEN_MISMATCH;
-    if (bits)
-      kvc_record(p, slot[v], r.position, r.token, check ? etok[v] : KVC_NO_EXPECTED_TOKEN, r.prev_hash,
-                 expected_chain, bits);
+    if (bits) {  // one call site: the row of an entry outside the buffer holds only its slot and position
+      const bool loaded = own[v] && slot[v] != KVC_PADDING_SLOT;
+      kvc_record_entry(p, first - 1 + v * 32 + (threadIdx.x & 31), slot[v], loaded ? r.position : epos[v],
+                       loaded ? r.token : 0, loaded && check ? etok[v] : KVC_NO_EXPECTED_TOKEN,
+                       loaded ? r.prev_hash : 0, loaded ? expected_chain : 0, bits);
+    }
   }
 }
 
@@ -257,7 +289,7 @@ __device__ __forceinline__ void kvc_verify_plan(const KvcVerifyParams& p, KvcWid
       const long long nb = kvc_from_prev_entry<VT>(slot, v);
       nb_prev[v] = live[v] && first - 2 + v * 32 + lane >= 0 && nb == prev[v];
     }
-    kvc_verify_tile<VT, FOLD>(p, slot, prev, etok, epos, held, live, nb_prev, fp, check, stage);
+    kvc_verify_tile<VT, FOLD>(p, slot, prev, etok, epos, first, held, live, nb_prev, fp, check, stage);
   }
 }
 
@@ -352,7 +384,7 @@ __device__ __forceinline__ void kvc_fused_warp_tiles(const KvcFusedVerifyParams&
     long long slot[VT], prev[VT], etok[VT], epos[VT];
     bool held[VT], live[VT], inner[VT], fp[VT];
     kvc_fused_tile<VT>(p, first, active, budget, slot, prev, etok, epos, held, live, inner, fp, &skipped);
-    kvc_verify_tile<VT, FOLD>(p, slot, prev, etok, epos, held, live, inner, fp, check, stage);
+    kvc_verify_tile<VT, FOLD>(p, slot, prev, etok, epos, first, held, live, inner, fp, check, stage);
   }
   kvc_warp_count(p.skip_counter, skipped);
 }
@@ -401,7 +433,8 @@ __device__ __forceinline__ void kvc_fused_spread_tiles(const KvcFusedVerifyParam
         for (int s = 0; s < sources; ++s) total = kvc_sm(total ^ st.h[tile * sources + s][v * 32 + lane]);
         rkv[v] = total;
       }
-      kvc_verify_tile<VT, KVC_FOLD_GIVEN>(p, slot, prev, etok, epos, held, live, inner, fp, check, nullptr, rkv);
+      kvc_verify_tile<VT, KVC_FOLD_GIVEN>(p, slot, prev, etok, epos, first, held, live, inner, fp, check,
+                                            nullptr, rkv);
     }
   }
   kvc_warp_count(p.skip_counter, skipped);

@@ -81,14 +81,15 @@ __device__ __forceinline__ void kvc_write_chain(const KvcWriteParams& p, const K
   for (int j = 0; j < n; ++j) kvc_chain_step(p, out, j, st.slot[j], st.token[j], st.position[j], running, running_pos);
 }
 
-// Check and store entry i (slot, token, position) with the chain value it stores and the position
-// it asserts against (+1); `store` false for an earlier occurrence of a slot repeated in its chunk.
-// Returns whether the entry was stamped.
-__device__ __forceinline__ bool kvc_write_entry(const KvcWriteParams& p, long long i, long long slot, long long token,
-                                                long long position, uint64_t chain, long long prev_position,
-                                                uint64_t rkv, bool has_expected, bool pos_assert, bool store) {
+// Check and store entry i of request r (slot, token, position) with the chain value it stores and the
+// position it asserts against (+1); `store` false for an earlier occurrence of a slot repeated in its
+// chunk. Returns whether the entry was stamped.
+__device__ __forceinline__ bool kvc_write_entry(const KvcWriteParams& p, long long r, long long i, long long slot,
+                                                long long token, long long position, uint64_t chain,
+                                                long long prev_position, uint64_t rkv, bool has_expected,
+                                                bool pos_assert, bool store) {
   if (slot >= p.num_slots) {
-    kvc_record(p, slot, position, token, KVC_NO_EXPECTED_TOKEN, chain, 0, KVC_SLOT_OUT_OF_RANGE);
+    kvc_record(p, r, slot, position, token, KVC_NO_EXPECTED_TOKEN, chain, 0, KVC_SLOT_OUT_OF_RANGE);
     return false;
   }
   if (slot < 0) return false;
@@ -96,10 +97,10 @@ __device__ __forceinline__ bool kvc_write_entry(const KvcWriteParams& p, long lo
     const long long et = p.expected_input_ids[i], ep = p.expected_positions[i];
     const long long bits = (token != et ? KVC_WRITE_TOKEN_MISMATCH : 0) |
                            (position != ep ? KVC_WRITE_POSITION_MISMATCH : 0);
-    if (bits) kvc_record(p, slot, position, token, et, chain, (uint64_t)ep, bits);
+    if (bits) kvc_record(p, r, slot, position, token, et, chain, (uint64_t)ep, bits);
   }
   if (pos_assert && position != prev_position + 1)
-    kvc_record(p, slot, position, token, token, chain, (uint64_t)(prev_position + 1),  // SGLang's column 4
+    kvc_record(p, r, slot, position, token, token, chain, (uint64_t)(prev_position + 1),  // SGLang's column 4
                KVC_WRITE_POSITION_MISMATCH);
   if (store) {
     long long* f = p.canary + slot * p.slot_stride_words;
@@ -113,7 +114,7 @@ __device__ __forceinline__ bool kvc_write_entry(const KvcWriteParams& p, long lo
 
 // Check and store the n entries of a chunk whose chain values are in `ch` (worker threads).
 // Returns the entries this thread stamped.
-__device__ __forceinline__ unsigned kvc_write_store(const KvcWriteParams& p, const KvcWriteStage& st,
+__device__ __forceinline__ unsigned kvc_write_store(const KvcWriteParams& p, long long r, const KvcWriteStage& st,
                                                     const KvcWriteChain& ch, long long base, int n, int t,
                                                     bool has_expected, bool pos_assert) {
   unsigned stamped = 0;
@@ -122,7 +123,7 @@ __device__ __forceinline__ unsigned kvc_write_store(const KvcWriteParams& p, con
     bool repeated = false;  // a slot repeated in one chunk: only its last occurrence stores
 #pragma unroll 8
     for (int k = j + 1; k < n; ++k) repeated |= st.slot[k] == slot;
-    stamped += kvc_write_entry(p, base + j, slot, st.token[j], st.position[j], ch.prev_hash[j], ch.position[j],
+    stamped += kvc_write_entry(p, r, base + j, slot, st.token[j], st.position[j], ch.prev_hash[j], ch.position[j],
                                st.rkv[j], has_expected, pos_assert, !repeated);
   }
   return stamped;
@@ -160,7 +161,7 @@ __device__ __forceinline__ bool kvc_chain_links(const KvcWriteParams& p, long lo
 // thread. Repeated slots need no last-occurrence rule here: the links proved that every occurrence
 // of a slot stores the same token, position and chain, and the slot's bytes give the same fingerprint.
 // Slots are read again and checked again: the arrays are device memory.
-__device__ __forceinline__ unsigned kvc_write_linked(const KvcWriteParams& p, long long start, long long end,
+__device__ __forceinline__ unsigned kvc_write_linked(const KvcWriteParams& p, long long r, long long start, long long end,
                                                      long long seed_position, bool has_expected, bool pos_assert) {
   unsigned stamped = 0;
   for (long long base = start; base < end; base += blockDim.x) {  // the same rounds in every thread
@@ -171,7 +172,7 @@ __device__ __forceinline__ unsigned kvc_write_linked(const KvcWriteParams& p, lo
     if (i >= end) continue;
     const uint64_t chain = in ? kvc_source_chain(p, slot) : 0;
     const long long prev_position = i > start ? p.positions[i - 1] : seed_position;
-    stamped += kvc_write_entry(p, i, slot, p.input_ids[i], p.positions[i], chain, prev_position, rkv,
+    stamped += kvc_write_entry(p, r, i, slot, p.input_ids[i], p.positions[i], chain, prev_position, rkv,
                                has_expected, pos_assert, true);
   }
   return stamped;
@@ -200,14 +201,14 @@ __device__ __forceinline__ void kvc_write_run(const KvcWriteParams& p) {
     if (seed > KVC_SEED_INVALID && seed <= KVC_SEED_INVALID + KVC_BATCH_FIELD_MAX) continue;  // rejected
     __syncthreads();  // the previous request's chunks are consumed
     if (seed >= p.num_slots || seed < KVC_CHAIN_HEAD) {  // a seed slot outside the buffer: chain head
-      if (tid == 0) kvc_record(p, seed, KVC_NO_POSITION, 0, KVC_NO_EXPECTED_TOKEN, 0, 0, KVC_SLOT_OUT_OF_RANGE);
+      if (tid == 0) kvc_record(p, r, seed, KVC_NO_POSITION, 0, KVC_NO_EXPECTED_TOKEN, 0, 0, KVC_SLOT_OUT_OF_RANGE);
     } else if (seed >= 0) {
       pos_assert = assert_flag;
       running = kvc_slot_hash(p, seed);
       running_pos = kvc_slot(p, seed)[KVC_FIELD_POSITION];
     }
     if (p.chain_source != 0 && chunks > 0 && kvc_chain_links(p, start, end, running)) {
-      stamped += kvc_write_linked(p, start, end, running_pos, has_expected, pos_assert);
+      stamped += kvc_write_linked(p, r, start, end, running_pos, has_expected, pos_assert);
       continue;
     }
     if (worker >= 0 && chunks > 0) kvc_write_load(p, stage[0], start, end, worker);
@@ -223,7 +224,7 @@ __device__ __forceinline__ void kvc_write_run(const KvcWriteParams& p) {
         if (k > 0) {
           const long long prev_base = base - KVC_WRITE_CHUNK;
           const int n = (int)(end - prev_base < KVC_WRITE_CHUNK ? end - prev_base : KVC_WRITE_CHUNK);
-          stamped += kvc_write_store(p, stage[(k - 1) % 3], chain[(k - 1) & 1], prev_base, n, worker,
+          stamped += kvc_write_store(p, r, stage[(k - 1) % 3], chain[(k - 1) & 1], prev_base, n, worker,
                                      has_expected, pos_assert);
         }
         if (k + 1 < chunks) kvc_write_load(p, stage[(k + 1) % 3], base + KVC_WRITE_CHUNK, end, worker);

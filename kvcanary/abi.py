@@ -167,10 +167,13 @@ STATUS_FIXED_CELLS = 3
 
 @dataclass(frozen=True)
 class StatusLayout:
-    """Cell indices of a status block for ``contexts`` verify contexts and ``plans`` plans."""
+    """Cell indices of a status block for ``contexts`` verify contexts and ``plans`` plans, then,
+    with ``requests`` > 0, the step's request verdicts (docs/format.md §5.6): the count of failed
+    requests, then one verdict word per batch index (both reset by the step's first plan build)."""
 
     contexts: int
     plans: int
+    requests: int = 0
 
     def runs(self, i: int) -> int:
         """Cell of context i's kernel_run_counter (its slot_run_counter is the next one)."""
@@ -181,8 +184,13 @@ class StatusLayout:
         return STATUS_FIXED_CELLS + 2 * self.contexts + 2 * k
 
     @property
-    def size(self) -> int:
+    def failed(self) -> int:
+        """Cell of the step's failed-request count (the verdict words follow it)."""
         return STATUS_FIXED_CELLS + 2 * (self.contexts + self.plans)
+
+    @property
+    def size(self) -> int:
+        return self.failed + (1 + self.requests if self.requests else 0)
 
 
 # ---- params structs ---------------------------------------------------------------------------------
@@ -243,6 +251,14 @@ COMMON = (
     _F("ring_claim", "ptr:unsigned long long"),
     _F("ring_consumed", "ptr:const long long"),   # 0 = fill once (format v1)
     _F("skip_counter", "ptr:unsigned long long"),  # 0, or verify entries skipped (plan != batch)
+    # Request verdicts (docs/format.md §5.6, a kvcanary extension): a row attributed to request r of
+    # the batch ORs its fail bits into verdicts[r] (r < verdict_len); failed_requests counts the words
+    # that became nonzero; ring_requests[i] names the request of the row stored at ring index i (-1:
+    # none). Each 0 = off.
+    _F("verdicts", "ptr:unsigned long long"),
+    _F("verdict_len", "i64"),
+    _F("failed_requests", "ptr:unsigned long long"),
+    _F("ring_requests", "ptr:long long"),
 )
 
 # Tail of both verify structs: the expected-token switch and the self-test (docs/format.md §11).
@@ -264,6 +280,10 @@ VERIFY_PARAMS = StructDecl("KvcVerifyParams", COMMON + (
     _F("plan_num_valid", "ptr:const int"),
     _F("plan_enable", "ptr:const int"),
     _F("plan_capacity", "i64"),
+    # the plan builder's entry offsets [plan_requests + 1], which attribute a row to its request
+    # (docs/format.md §5.6); 0 = rows not attributed (a sweep's plan)
+    _F("plan_entry_offsets", "ptr:const long long"),
+    _F("plan_requests", "i64"),
     *_VERIFY_TAIL,
 ))
 
@@ -315,6 +335,8 @@ PREPARE_PARAMS = StructDecl("KvcPrepareParams", COMMON + _BATCH + (
     _F("write_req_capacity", "i64"),
     _F("out_cache_loc", "ptr:const long long"),  # the group's slots of the new tokens, or 0
     _F("num_tokens", "i64"),
+    _F("verdict_reset", "i32"),                  # 1: zero the verdicts and failed_requests first (a step's first build)
+    _F("_pad_reset", "i32"),
 ))
 
 EXPAND_PARAMS = StructDecl("KvcExpandParams", _BATCH + (
@@ -357,6 +379,9 @@ SNAPSHOT_PARAMS = StructDecl("KvcSnapshotParams", (
     _F("done", "ptr:long long"),            # the slot's completion word (pinned host, device address)
     _F("n", "i64"),
     _F("ticket", "i64"),                    # written to *done last; never 0
+    # cells [0, head] are always copied; (head, n) only when cell head (the step's failed-request
+    # count, docs/format.md §5.6) is nonzero. head = n - 1 copies everything.
+    _F("head", "i64"),
 ))
 
 # One step of vLLM attention metadata staged into a Batch's persistent buffers (kernels_src/stage.cu,

@@ -87,6 +87,7 @@ class Parts(NamedTuple):
     ctx: dict[Key, VerifyContext]
     plans: dict[str, StepPlan]       # per group, and "SWEEP"
     head_ctx: dict[str, VerifyContext]  # each group's first context: reports of its plan and records
+    ring_requests: Any               # int64 [ring_capacity]: the request of each stored ring row (§5.6)
 
 
 def build(full: PoolGroup, swa: PoolGroup | None, *, device, hash_mode, mode, max_batch: int, verify_capacity: int,
@@ -129,9 +130,10 @@ def build(full: PoolGroup, swa: PoolGroup | None, *, device, hash_mode, mode, ma
     keys = [Key(st, g, h, op) for g, grp in groups.items() for h in grp.resolved_halves()
             for st, op in (("HEAD", "verify"), ("HEAD", "write"), ("TAIL", "verify"),
                            ("TAIL", "write"), ("SWEEP", "verify"))]
-    lay = abi.StatusLayout(len(keys), len(groups) + 1)
+    lay = abi.StatusLayout(len(keys), len(groups) + 1, max_batch)
     status = be.zeros((lay.size,), np.int64)
     ring = be.zeros((ring_capacity, abi.RING_COLS), np.int64)
+    ring_requests = be.zeros((ring_capacity,), np.int64)
     flag = be.zeros((1,), np.int32)
     # the self-test (docs/format.md §11) rides on the first HEAD verify of the FULL group
     tested = Key("HEAD", "FULL", full.resolved_halves()[0], "verify")
@@ -149,7 +151,9 @@ def build(full: PoolGroup, swa: PoolGroup | None, *, device, hash_mode, mode, ma
                              be.cells(status, lay.runs(i)), be.cells(status, lay.runs(i) + 1),
                              claim=be.cells(status, abi.STATUS_CLAIM),
                              consumed=be.cells(status, abi.STATUS_CONSUMED),
-                             skips=be.cells(status, abi.STATUS_SKIPS))
+                             skips=be.cells(status, abi.STATUS_SKIPS),
+                             verdicts=be.cells(status, lay.failed + 1, max_batch),
+                             failed_requests=be.cells(status, lay.failed), ring_requests=ring_requests)
         grp, head = groups[key.group], key.stage == "HEAD"
         sources = () if head else (grp.k_sources if key.half == "K" else grp.v_sources)
         ctx[key] = VerifyContext(buffers["HEAD" if head else "TAIL", key.group, key.half], sink,
@@ -171,4 +175,4 @@ def build(full: PoolGroup, swa: PoolGroup | None, *, device, hash_mode, mode, ma
     first = {g: next(i for i, k in enumerate(keys) if k.group == g) for g in groups}
     head_ctx = {g: ctx[keys[i]] for g, i in first.items()}
     return Parts(mode_hash, check_expected_token, fused, reporter, groups, be, keys, lay, status, ring, self_test,
-                 ctx, plans, head_ctx)
+                 ctx, plans, head_ctx, ring_requests)

@@ -48,12 +48,16 @@ class HostBackend:
     def capturing(self, stream) -> bool:
         return False
 
-    def pump(self, status, ring):
+    def pump(self, status, ring, head=None, ring_requests=None):
         return HostPump(status)
 
     def read_rows(self, ring, start: int, stop: int) -> np.ndarray:
         idx = np.arange(start, stop, dtype=np.int64) % ring.shape[0]
         return np.array(ring[idx], copy=True)
+
+    def read_requests(self, ring_requests, start: int, stop: int) -> np.ndarray:
+        """The requests of the rows of claim indices [start, stop) (docs/format.md §5.6)."""
+        return self.read_rows(ring_requests, start, stop)
 
     def set_consumed(self, status, value: int, stream) -> None:
         status[abi.STATUS_CONSUMED] = value
@@ -137,8 +141,8 @@ class CudaBackend:
     def capturing(self, stream: int) -> bool:
         return self.rt.capturing(stream)
 
-    def pump(self, status, ring):
-        self._pump = Pump(status, ring, ring.shape[0], self.device)
+    def pump(self, status, ring, head=None, ring_requests=None):
+        self._pump = Pump(status, ring, ring.shape[0], self.device, head, ring_requests)
         return self._pump
 
     def read_rows(self, ring, start: int, stop: int) -> np.ndarray:
@@ -151,6 +155,17 @@ class CudaBackend:
         if a < b:
             return self._pump.read_ring(a, b)
         return np.concatenate([self._pump.read_ring(a, cap), self._pump.read_ring(0, b)])
+
+    def read_requests(self, ring_requests, start: int, stop: int) -> np.ndarray:
+        """The requests of the rows of claim indices [start, stop) (docs/format.md §5.6), as
+        :meth:`read_rows` reads the rows."""
+        cap = ring_requests.shape[0]
+        if stop <= start:
+            return np.zeros(0, np.int64)
+        a, b = start % cap, (stop - 1) % cap + 1
+        if a < b:
+            return self._pump.read_requests(a, b)
+        return np.concatenate([self._pump.read_requests(a, cap), self._pump.read_requests(0, b)])
 
     def set_consumed(self, status, value: int, stream: int) -> None:
         """The host's consumed mark into the status cell, in stream order: two 32-bit memsets that

@@ -59,7 +59,9 @@ class KvCanary:
         self.status, self._ring, self.ring_capacity = parts.status, parts.ring, ring_capacity
         self.self_test, self.ctx, self.plans = parts.self_test, parts.ctx, parts.plans
         self._lock = threading.RLock()
-        self.pump = self.backend.pump(self.status, self._ring)
+        self.pump = self.backend.pump(self.status, self._ring, self.layout.failed, parts.ring_requests)
+        sink = parts.head_ctx["FULL"].sink
+        self.parts_verdicts = (sink.verdict_arrays[0], sink.verdict_arrays[1])
         self.stages = StageLaunches(parts)
         self.monitor = Monitor(parts, self.pump, ring_capacity, stats_every)
         self.ledger = self.monitor.ledger
@@ -182,6 +184,32 @@ class KvCanary:
         group = self._group(group)
         with self._lock:
             move_records(self, slots, records, group, stream)
+
+    # ---- request verdicts (docs/format.md §5.6) ------------------------------------------------------
+    @property
+    def verdicts(self):
+        """The step's request verdicts where the kernels keep them: int64 ``[max_batch]``, word r the
+        OR of the fail bits of every row attributed to request r of the batch (0: clean). Reset by
+        each ``before_forward``; whole after ``after_forward``. A device array (CUDA array interface,
+        DLPack) an engine may read inside its own graph, e.g. to end request r's sequence when
+        ``verdicts[r] != 0``, with no host sync; on the host backend a numpy view."""
+        return self.parts_verdicts[0]
+
+    @property
+    def failed_count(self):
+        """int64 ``[1]`` beside :attr:`verdicts`: how many of the step's words are nonzero."""
+        return self.parts_verdicts[1]
+
+    def failed_requests(self) -> list:
+        """The requests failed since the last call, as :class:`~kvcanary.verdicts.FailedRequest`
+        (step, batch index, fail bits, the slots their rows name), from the snapshots completed so
+        far: never waits on the device, starts no snapshot and counts no step. An engine adapter
+        maps each batch index to its request id at that step and fails that request
+        (``mode="fail_request"``: README, "What happens on a detection")."""
+        with self._lock:
+            if self.mode != "none":
+                self.monitor.report(None, advance=False)
+            return self.monitor.take_failed()
 
     # ---- pump ------------------------------------------------------------------------------------
     def poll(self, stream=None) -> None:

@@ -18,6 +18,7 @@ from .assembly import STAGES, Key
 from .driver import PER_THREAD_STREAM
 from .errors import KvCanaryError
 from .reporting import RingLedger
+from .verdicts import FailedRequest, failed_requests
 from .violations import decode_ring
 
 
@@ -42,6 +43,13 @@ class Monitor:
         full = parts.groups["FULL"].resolved_halves()[0]
         self.tokens_ctx = self.keys.index(Key("TAIL", "FULL", full, "write"))
         self.verifies = np.array([i for i, k in enumerate(self.keys) if k.op == "verify"], np.intp)
+        # request verdicts (docs/format.md §5.6): a step's words are whole once its TAIL verify ran as
+        # often as its HEAD verify, and are reported once per HEAD run (the device's step count)
+        self.ring_requests = parts.ring_requests
+        self.verdict_runs = (self.layout.runs(self.keys.index(Key("HEAD", "FULL", full, "verify"))),
+                             self.layout.runs(self.keys.index(Key("TAIL", "FULL", full, "verify"))))
+        self.verdict_run = 0          # the HEAD run whose verdicts were reported last
+        self.failed: list[FailedRequest] = []  # reported, not yet taken (KvCanary.failed_requests)
 
     def meta(self):
         return (self.step, self.stage_runs[0], self.stage_runs[1], self.expected, self.ledger.floor)
@@ -106,14 +114,36 @@ class Monitor:
                               f"more cached entries than verify_capacity ({self.plans[g].verify_capacity}); fix: "
                               f"raise verify_capacity", RuntimeWarning, stacklevel=stacklevel)
         start, stop, lost = self.ledger.take(snap[abi.STATUS_CLAIM], floor)
-        if stop > start or lost:
-            rows = self.backend.read_rows(self.ring, start, stop)
+        rows = self.backend.read_rows(self.ring, start, stop) if stop > start or lost else None
+        self.verdicts(snap, step, rows, start, stop)
+        if rows is not None:
             found = self.self_test.take(decode_ring(rows, len(rows)).violations)
             self.plan_mismatches += sum(v.batch_field == "ENTRY_COUNT" for v in found)
             self.reporter.violations(found, step, lost, self.ledger.lost)
         if self.stats_every or self.reporter.wants_stats:
             emit = bool(self.stats_every) and step % self.stats_every == 0
             self.reporter.stats(self.stats_of(snap, step), emit)
+
+    def verdicts(self, snap: list, step: int, rows, start: int, stop: int) -> None:
+        """The failed requests a snapshot shows (docs/format.md §5.6), once per step: reported and
+        kept for :meth:`take_failed`. A snapshot carries the verdict words only when its step
+        failed a request; one taken between a HEAD and its TAIL waits for the TAIL's."""
+        lay = self.layout
+        if len(snap) <= lay.failed + 1 or not snap[lay.failed]:
+            return
+        head, tail = (snap[i] for i in self.verdict_runs)
+        if head != tail or head == self.verdict_run:
+            return
+        self.verdict_run = head
+        requests = self.backend.read_requests(self.ring_requests, start, stop) if stop > start else np.zeros(0)
+        found = failed_requests(step, snap[lay.failed + 1:lay.failed + 1 + lay.requests],
+                                rows if rows is not None else np.zeros((0, abi.RING_COLS), np.int64), requests)
+        self.failed += found
+        self.reporter.failed_requests(found)
+
+    def take_failed(self) -> list[FailedRequest]:
+        out, self.failed = self.failed, []
+        return out
 
     def runs(self, snap) -> np.ndarray:
         """(kernel runs, slot runs) per context of a snapshot, int64 [contexts, 2]."""

@@ -50,15 +50,18 @@ def _run(launches) -> None:
 
 
 # ---- verify --------------------------------------------------------------------------------------
-def verify(ctx: VerifyContext, plan: StepPlan, *, check_expected_token: bool = False, stream=None) -> None:
-    """Verify the materialised plan's entries against ``ctx`` (docs/format.md §6). Read-only on the buffer."""
+def verify(ctx: VerifyContext, plan: StepPlan, *, check_expected_token: bool = False, stream=None,
+           per_request: bool = False) -> None:
+    """Verify the materialised plan's entries against ``ctx`` (docs/format.md §6). Read-only on the buffer.
+    ``per_request``: attribute each row to its request through the plan's entry offsets (§5.6)."""
     def pack():
-        launch = prepare_verify(ctx, plan, check_expected_token=check_expected_token, stream=stream)
+        launch = prepare_verify(ctx, plan, check_expected_token=check_expected_token, stream=stream,
+                                per_request=per_request)
         return [] if launch is None else [launch]
     if not (isinstance(ctx, VerifyContext) and isinstance(plan, StepPlan)) or ctx.device is None:
         return _run(pack())
     pk = _plan_key(plan)
-    head = None if pk is None else ("verify", pk, ctx.common, _scalar(check_expected_token))
+    head = None if pk is None else ("verify", pk, ctx.common, _scalar(check_expected_token), _scalar(per_request))
     packing.run(ctx, head, (), (), stream, ctx.device, (ctx.buffer.array, plan.slot),
                 (plan.slot, plan.expected_token, plan.expected_position, plan.prev_slot), pack)
 
@@ -92,18 +95,21 @@ _WRITE_NAMES = ("input_ids", "positions", "out_cache_loc", "expected_input_ids",
 
 # ---- plan builder and fused verify -------------------------------------------------------------------
 def build_plan(batch: Batch, plan: StepPlan, *, swa_window: int = 0, swa_map=None, ctx: VerifyContext | None = None,
-               stream=None) -> None:
+               stream=None, reset_verdicts: bool = True) -> None:
     """Fill ``plan`` from ``batch`` (docs/format.md §8): WritePlan, entry offsets, overflow rule, and the
     per-entry VerifyPlan when the plan is materialised. Batch values the device finds out of range
-    are reported through ``ctx``'s sink (tag ``ctx.tag``), else through ``plan.reject_sink``."""
+    are reported through ``ctx``'s sink (tag ``ctx.tag``), else through ``plan.reject_sink``.
+    ``reset_verdicts``: zero the sink's request verdicts first (§5.6; a step's first build)."""
     def pack():
-        return prepare_build_plan(batch, plan, swa_window=swa_window, swa_map=swa_map, ctx=ctx, stream=stream)
+        return prepare_build_plan(batch, plan, swa_window=swa_window, swa_map=swa_map, ctx=ctx, stream=stream,
+                                  reset_verdicts=reset_verdicts)
     if not (isinstance(batch, Batch) and isinstance(plan, StepPlan) and (ctx is None or isinstance(ctx, VerifyContext))) \
             or plan.device is None:
         return _run(pack())
     pk = _plan_key(plan)
     sink = (plan._reject_sink,) if ctx is None else (ctx.sink, int(ctx.tag), ctx.device)
-    head = None if pk is None or sink[0] is None else ("build_plan", pk, sink, _scalar(swa_window))
+    head = None if pk is None or sink[0] is None else ("build_plan", pk, sink, _scalar(swa_window),
+                                                       _scalar(reset_verdicts))
     args = (*batch.__dict__.values(), swa_map)
     packing.run(plan, head, args, (*BATCH_FIELD_NAMES, "swa_map"), stream, plan.device, (batch.req_pool_indices,),
                 _batch_order(batch, swa_map), pack)

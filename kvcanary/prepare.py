@@ -72,11 +72,14 @@ def _check_plan_device(ctx: VerifyContext, plan: StepPlan) -> None:
 
 # ---- verify --------------------------------------------------------------------------------------
 def prepare_verify(ctx: VerifyContext, plan: StepPlan, *, check_expected_token: bool = False,
-                   stream=None) -> Launch | None:
-    """:func:`verify` validated and packed; host arrays run on the reference now (returns None)."""
+                   stream=None, per_request: bool = False) -> Launch | None:
+    """:func:`verify` validated and packed; host arrays run on the reference now (returns None).
+    ``per_request``: attribute each row to its entry's request through the plan's entry offsets
+    (docs/format.md §5.6; a plan :func:`build_plan` filled, not a sweep's)."""
     _check_args(ctx=ctx, plan=plan)
     _check_plan_device(ctx, plan)
     check = boolean("check_expected_token", check_expected_token)
+    offsets = plan.entry_offsets_view() if boolean("per_request", per_request) else None
     if not plan.materialized:
         raise ValidationError("kv-canary: verify() needs a materialised plan, got one without "
                               "entry arrays. Fix: StepPlan.allocate(..., materialize=True), or use "
@@ -89,10 +92,12 @@ def prepare_verify(ctx: VerifyContext, plan: StepPlan, *, check_expected_token: 
     views = plan.entry_views()
     num_valid, enable = plan.flag_views()
     if ctx.device is None:
-        host_ops.verify(ctx, views, num_valid, enable, check)
+        host_ops.verify(ctx, views, num_valid, enable, check, offsets)
         return None
     p = ctx.params(abi.VerifyParams)
     ctx.fill_verify_tail(p)
+    if offsets is not None:
+        p.plan_entry_offsets, p.plan_requests = offsets.ptr, plan.max_batch
     p.plan_slot, p.plan_expected_token = views["slot"].ptr, views["expected_token"].ptr
     p.plan_expected_position, p.plan_prev_slot = views["expected_position"].ptr, views["prev_slot"].ptr
     p.plan_num_valid, p.plan_enable = num_valid.ptr, enable.ptr
@@ -199,20 +204,24 @@ def _batch_views(batch: Batch, plan: StepPlan, swa_window, swa_map) -> tuple[dic
 
 
 def prepare_build_plan(batch: Batch, plan: StepPlan, *, swa_window: int = 0, swa_map=None,
-                       ctx: VerifyContext | None = None, stream=None) -> list[Launch]:
-    """:func:`build_plan` validated and packed (one or two launches); host arrays run now."""
+                       ctx: VerifyContext | None = None, stream=None, reset_verdicts: bool = True) -> list[Launch]:
+    """:func:`build_plan` validated and packed (one or two launches); host arrays run now.
+    ``reset_verdicts``: first zero the sink's request verdicts (docs/format.md §5.6): a step's
+    first build does, a second group's build of the same step must not."""
     _check_args(batch=batch, plan=plan, ctx=_NOT_TAKEN if ctx is None else ctx)
+    reset = boolean("reset_verdicts", reset_verdicts)
     if ctx is not None:
         _check_plan_device(ctx, plan)
     v, window = _batch_views(batch, plan, swa_window, swa_map)
     sink, tag = (ctx.sink, ctx.tag) if ctx is not None else (plan.reject_sink, abi.LaunchTag.HEAD_K_FULL)
     loc = v.get("swa_out_cache_loc" if swa_map is not None else "out_cache_loc")
     if plan.device is None:
-        host_ops.build_plan(plan, batch, v, window, loc, sink, tag)
+        host_ops.build_plan(plan, batch, v, window, loc, sink, tag, reset)
         return []
     rt = driver.runtime(plan.device)
     s = streams.resolve(stream, (batch.req_pool_indices,), v.values(), plan.device)
     p = sink.params(abi.PrepareParams, tag)
+    p.verdict_reset = int(reset)
     _fill_batch(p, v, batch, plan, window, swa_map)
     offsets, seed, nreq = plan.write_views()
     p.write_offsets, p.write_seed, p.write_num_valid_reqs = offsets.ptr, seed.ptr, nreq.ptr

@@ -39,8 +39,11 @@ class SnapshotFifo:
     the same counters, so nothing is lost but the exact step of what happened in between.
     """
 
-    def __init__(self, payload: np.ndarray, words: np.ndarray):
+    def __init__(self, payload: np.ndarray, words: np.ndarray, head: int | None = None):
         self.payload, self.words = payload, words
+        # cells [0, head] of a snapshot are always there; the rest (the step's request verdicts,
+        # docs/format.md §5.6) only when cell head is nonzero: the kernel copied them then
+        self.head = payload.shape[1] - 1 if head is None else head
         self._words = memoryview(words).cast("B").cast("q")  # element reads give Python ints
         self.depth = len(words)
         self.tickets = [0] * self.depth
@@ -80,7 +83,11 @@ class SnapshotFifo:
             if not _ORDERED_LOADS:
                 with _barrier:
                     pass
-            out.append((self.payload[slot].tolist(), self.meta[slot]))
+            row = self.payload[slot]
+            snap = row[:self.head + 1].tolist()
+            if snap[self.head]:
+                snap += row[self.head + 1:].tolist()
+            out.append((snap, self.meta[slot]))
             queue.popleft()
             self.free.append(slot)
         return out
@@ -98,15 +105,18 @@ class Pump:
 
     DEPTH = DEPTH
 
-    def __init__(self, status, ring, ring_capacity: int, device: int):
+    def __init__(self, status, ring, ring_capacity: int, device: int, head: int | None = None, ring_requests=None):
         self.status, self.ring, self.capacity, self.device = status, ring, ring_capacity, device
         self.n = status.shape[0]
+        self.head = self.n - 1 if head is None else head  # cells past head: copied only when cell head != 0
+        self.ring_requests = ring_requests
         self.launches = 0
         rt = driver.runtime(device)
         self.pinned = memory.PinnedBuffer((self.DEPTH, self.n), np.int64, device, mapped=True)
         self.done = memory.PinnedBuffer((self.DEPTH,), np.int64, device, mapped=True)
-        self.fifo = SnapshotFifo(self.pinned.array, self.done.array)
+        self.fifo = SnapshotFifo(self.pinned.array, self.done.array, self.head)
         self.ring_pinned = memory.PinnedBuffer((ring_capacity, abi.RING_COLS), np.int64, device)
+        self.requests_pinned = None  # allocated on the first read of row requests
         self.ring_side = memory.new_stream(device)  # idle but for ring reads: never waits on steps
         block = min(_SNAPSHOT_BLOCK, 32 * -(-self.n // 32))
         self.slot_launches = []  # one prepacked launch per slot; its ticket set per use
@@ -115,6 +125,7 @@ class Pump:
             p.status, p.n = status.ptr, self.n
             p.payload = self.pinned.device_ptr + 8 * self.n * slot
             p.done = self.done.device_ptr + 8 * slot
+            p.head = self.head
             self.slot_launches.append(Launch(rt, "kvc_snapshot", 1, block, p, driver.PER_THREAD_STREAM,
                                                     (status, self.pinned, self.done)))
 
@@ -164,3 +175,14 @@ class Pump:
                           (stop - start) * row, self.ring_side, self.device)
         memory.stream_synchronize(self.ring_side, self.device)
         return self.ring_pinned.array[start:stop].copy()
+
+    def read_requests(self, start: int, stop: int) -> np.ndarray:
+        """The requests of ring rows [start, stop) (docs/format.md §5.6), as :meth:`read_ring` reads rows."""
+        if stop <= start or self.ring_requests is None:
+            return np.full(max(stop - start, 0), abi.NO_REQUEST, np.int64)
+        if self.requests_pinned is None:
+            self.requests_pinned = memory.PinnedBuffer((self.capacity,), np.int64, self.device)
+        memory.copy_async(self.requests_pinned.ptr + 8 * start, self.ring_requests.ptr + 8 * start,
+                          8 * (stop - start), self.ring_side, self.device)
+        memory.stream_synchronize(self.ring_side, self.device)
+        return self.requests_pinned.array[start:stop].copy()

@@ -13,12 +13,13 @@ This module imports only numpy and kvcanary; never CUDA.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
 from kvcanary.abi import (
-    CHAIN_HEAD, FIELD_POSITION, FIELD_PREV_HASH, FIELD_REAL_KV_HASH, FIELD_TOKEN, FIELDS_PER_SLOT,
+    CHAIN_HEAD, COL_FAIL_REASON_BITS, FIELD_POSITION, NO_REQUEST, FIELD_PREV_HASH, FIELD_REAL_KV_HASH, FIELD_TOKEN, FIELDS_PER_SLOT,
     NO_EXPECTED_TOKEN, PREV_ON_PADDING, RING_COLS, SEED_INVALID, SELF_TEST_POSITION, SELF_TEST_TOKEN, BatchField,
     FailReason,
 )
@@ -40,7 +41,26 @@ def _wrap_i32(x):
     return (np.asarray(x, dtype=np.int64) + (1 << 31)) % (1 << 32) - (1 << 31)
 
 
-def ring_append(ring: np.ndarray, write_index: np.ndarray, rows, claim=None, consumed=None) -> None:
+@dataclass
+class Verdicts:
+    """The request verdicts of a sink (docs/format.md §5.6): int64 ``words`` (one per batch index),
+    the int64 ``[1]`` count of words that became nonzero (``failed``) and the int64 ``[capacity]``
+    request of each stored ring row (``ring_requests``); any may be None (not kept)."""
+
+    words: np.ndarray | None = None
+    failed: np.ndarray | None = None
+    ring_requests: np.ndarray | None = None
+
+    def reset(self) -> None:
+        """A step's first plan build: every word and the count back to 0."""
+        if self.words is not None:
+            self.words[:] = 0
+        if self.failed is not None:
+            self.failed[0] = 0
+
+
+def ring_append(ring: np.ndarray, write_index: np.ndarray, rows, claim=None, consumed=None, requests=None,
+                verdicts: Verdicts | None = None) -> None:
     """Append rows in order (docs/format.md §5), as ``kvc_record`` does.
 
     Format v1 (``claim`` None): for each row ``i = write_index[0]; write_index[0] += 1`` (int32
@@ -48,24 +68,46 @@ def ring_append(ring: np.ndarray, write_index: np.ndarray, rows, claim=None, con
     counter (``write_index`` is then its low half and is not touched separately): row i is stored
     at ``i % len(ring)`` iff ``0 <= i - consumed[0] < len(ring)`` (``consumed`` None: 0).
     Rows that are not stored are counted, never stored over unread rows.
+    ``requests``: the batch index each row is attributed to (NO_REQUEST: none; None: no row is);
+    with ``verdicts`` (§5.6) a row ORs its bits into its request's word (stored or not) and a
+    stored row's request is kept beside it.
     """
     rows = np.asarray(rows, dtype=np.int64).reshape(-1, RING_COLS)
     if len(rows) == 0:
         return
+    req = np.full(len(rows), NO_REQUEST, np.int64) if requests is None else np.asarray(requests, np.int64)
     cap = len(ring)
     if claim is not None:
         start = int(claim[0])
         idx = start + np.arange(len(rows), dtype=np.int64)
         seen = 0 if consumed is None else int(consumed[0])
         keep = (idx - seen >= 0) & (idx - seen < cap)
-        ring[idx[keep] % cap] = rows[keep]
+        at = idx[keep] % cap
         claim[0] = start + len(rows)
+    else:
+        start = int(write_index[0])
+        idx = _wrap_i32(start + np.arange(len(rows), dtype=np.int64))
+        keep = (idx >= 0) & (idx < cap)
+        at = idx[keep]
+        write_index[0] = int(_wrap_i32(start + len(rows)))
+    ring[at] = rows[keep]
+    if verdicts is not None:
+        _attribute(verdicts, at, req[keep], req, rows[:, COL_FAIL_REASON_BITS])
+
+
+def _attribute(v: Verdicts, at, kept_requests, requests, bits) -> None:
+    """Rows' requests beside the stored rows, and their bits into the request verdict words."""
+    if v.ring_requests is not None:
+        v.ring_requests[at] = kept_requests
+    words = v.words
+    if words is None:
         return
-    start = int(write_index[0])
-    idx = _wrap_i32(start + np.arange(len(rows), dtype=np.int64))
-    keep = (idx >= 0) & (idx < cap)
-    ring[idx[keep]] = rows[keep]
-    write_index[0] = int(_wrap_i32(start + len(rows)))
+    mine = np.flatnonzero((requests >= 0) & (requests < len(words)))
+    for r in np.unique(requests[mine]).tolist():
+        before = int(words[r])
+        words[r] = before | int(np.bitwise_or.reduce(bits[mine][requests[mine] == r]))
+        if before == 0 and words[r] != 0 and v.failed is not None:
+            v.failed[0] += 1
 
 
 def _rows(tag, *cols) -> np.ndarray:
@@ -93,32 +135,46 @@ def self_test_rows(*, self_test, self_test_every: int, run: int, num_slots: int,
     return _rows(tag, [num_slots], [SELF_TEST_POSITION], [token], [SELF_TEST_TOKEN], [prev], [run], [bits])
 
 
+def owners(entry_offsets, requests: int, entries) -> np.ndarray:
+    """The request each entry's row is attributed to (docs/format.md §5.6): the last r < ``requests``
+    with ``entry_offsets[r] <= e`` (0 when none), as ``kvc_owner_of`` finds it; NO_REQUEST for every
+    entry without offsets."""
+    e = np.asarray(entries, np.int64)
+    if entry_offsets is None or requests <= 0:
+        return np.full(len(e), NO_REQUEST, np.int64)
+    off = np.asarray(entry_offsets, np.int64)[:requests]
+    return np.clip(np.searchsorted(off, e, side="right") - 1, 0, requests - 1).astype(np.int64)
+
+
 def verify(*, canary, slot, expected_token, expected_position, prev_slot, num_valid, enable, ring,
            write_index, kernel_run_counter, slot_run_counter, sources: Sequence[RefSource], tag,
-           check_expected_token, claim=None, consumed=None, self_test=None, self_test_every: int = 0) -> None:
+           check_expected_token, claim=None, consumed=None, self_test=None, self_test_every: int = 0,
+           entry_offsets=None, plan_requests: int = 0, verdicts: Verdicts | None = None) -> None:
     """One verify launch over a materialised plan: check active entries, a ring row per mismatch.
 
     Effects: ``kernel_run_counter += 1`` always; if ``enable[0] != 0``, ``slot_run_counter +=
     active`` (``active = clamp(num_valid[0], 0, len(slot))``, slot-0 entries included) and the rows
     of :func:`check_entries` for entries < active. Entries past ``active`` are never read;
-    ``canary`` is never modified.
+    ``canary`` is never modified. With the plan builder's ``entry_offsets`` (``plan_requests`` + 1
+    of them) each row is attributed to its entry's request (:func:`owners`, §5.6).
     """
     kernel_run_counter[0] += 1
     ring_append(ring, write_index, self_test_rows(self_test=self_test, self_test_every=self_test_every,
                                                   run=int(kernel_run_counter[0]), num_slots=canary_words(canary).shape[0],
-                                                  tag=tag), claim, consumed)
+                                                  tag=tag), claim, consumed, verdicts=verdicts)
     if int(enable[0]) == 0:
         return
     active = min(max(int(num_valid[0]), 0), len(slot))
     slot_run_counter[0] += active
-    rows = check_entries(canary, slot[:active], prev_slot[:active], expected_token[:active],
-                         expected_position[:active], sources, tag, check_expected_token)
-    ring_append(ring, write_index, rows, claim, consumed)
+    rows, e = check_entries(canary, slot[:active], prev_slot[:active], expected_token[:active],
+                            expected_position[:active], sources, tag, check_expected_token, with_entries=True)
+    ring_append(ring, write_index, rows, claim, consumed, owners(entry_offsets, plan_requests, e), verdicts)
 
 
 def check_entries(canary, slot, prev_slot, expected_token, expected_position, sources: Sequence[RefSource],
-                  tag, check_expected_token, fingerprinted=None) -> np.ndarray:
-    """The rows the checks of docs/format.md §6 step 3 give for plan entries, in entry order.
+                  tag, check_expected_token, fingerprinted=None, with_entries: bool = False):
+    """The rows the checks of docs/format.md §6 step 3 give for plan entries, in entry order
+    (``with_entries``: and the index of the entry of each row).
 
     An entry on slot 0 gives a PADDING_SLOT_READ row, one on a slot outside the buffer a
     SLOT_OUT_OF_RANGE row (slot, expected position, 0, -1, 0, 0). Predecessors: -1 is a chain
@@ -155,17 +211,18 @@ def check_entries(canary, slot, prev_slot, expected_token, expected_position, so
         bits |= np.where((et != NO_EXPECTED_TOKEN) & (tok != et), _TOKEN, 0)
     e = np.flatnonzero(~in_range | (bits != 0))
     o = ~in_range[e]
-    return _rows(tag, s[e], np.where(o, epos[e], pos[e]), np.where(o, 0, tok[e]),
+    rows = _rows(tag, s[e], np.where(o, epos[e], pos[e]), np.where(o, 0, tok[e]),
                  np.where(o | (not check_expected_token), NO_EXPECTED_TOKEN, et[e]),
                  np.where(o, 0, prev[e]), np.where(o, 0, expected_chain[e]),
                  np.where(o, np.where(s[e] == 0, _PADDING, _OOB), bits[e]))
+    return (rows, e) if with_entries else rows
 
 
 # ---- write (docs/format.md §7) -----------------------------------------------------------------------------------
 def write(*, canary, offsets, seed, num_valid_reqs, input_ids, positions, out_cache_loc,
           expected_input_ids=None, expected_positions=None, chain_position_assert=None, ring,
           write_index, kernel_run_counter, slot_run_counter, sources: Sequence[RefSource],
-          tag, claim=None, consumed=None) -> None:
+          tag, claim=None, consumed=None, verdicts: Verdicts | None = None) -> None:
     """One write launch: stamp (token, position, chain hash, fingerprint) into each written slot.
 
     Request r < clamp(num_valid_reqs[0], 0, len(seed)) owns flat entries [start, end) with
@@ -175,7 +232,8 @@ def write(*, canary, offsets, seed, num_valid_reqs, input_ids, positions, out_ca
     nothing and gives no row (the builder reported it).
     Entries with slot < 0 are skipped; slot >= num_slots gives a SLOT_OUT_OF_RANGE row and is
     skipped. Seeds are read before any store. ``kernel_run_counter += 1``; ``slot_run_counter +=``
-    stamped entries. Sources are read, never written.
+    stamped entries. Sources are read, never written. Every row is attributed to its request r
+    (docs/format.md §5.6).
     """
     if (expected_input_ids is None) != (expected_positions is None):
         raise ValueError("kv-canary: expected_input_ids and expected_positions must be given "
@@ -247,7 +305,8 @@ def write(*, canary, offsets, seed, num_valid_reqs, input_ids, positions, out_ca
     rows.append(_rows(tag, s[e], pos[e], tok[e], tok[e], running[e], prev_pos[m] + 1, ones * _W_POSITION))
     keys.append((req[e], e, ones * 2))
     order = np.lexsort(tuple(np.concatenate(c) for c in zip(*keys))[::-1])
-    ring_append(ring, write_index, np.concatenate(rows)[order], claim, consumed)
+    ring_append(ring, write_index, np.concatenate(rows)[order], claim, consumed,
+                np.concatenate([k[0] for k in keys])[order], verdicts)
 
     # Stores, in flat order: the last write of a repeated slot wins.
     fp = fingerprint(s[st], sources).view(np.int64)

@@ -21,7 +21,7 @@ from kvcanary.abi import (
     BatchField,
     FailReason,
 )
-from kvcanary.reference import RefSource, _rows, check_entries
+from kvcanary.reference import RefSource, _rows, check_entries, owners
 
 _BATCH = int(FailReason.BATCH_INDEX_OUT_OF_RANGE)
 Report = Callable[[np.ndarray], None]  # appends ring rows (reference.ring_append bound to a sink)
@@ -231,13 +231,15 @@ def fill_plan(*, verify, write, req_pool_indices, prefix_lens, extend_lens, req_
 def fused_verify_rows(*, canary, q: Requests, entry_offsets, num_valid, enable, capacity: int, req_to_token,
                       sources: Sequence[RefSource], tag, check_expected_token, swa_map=None, expected_pool=None,
                       expected_valid_lens=None, expected_token_offset=0, fingerprint_every: int = 1,
-                      fingerprint_phase: int = 0) -> tuple[np.ndarray, int, int]:
+                      fingerprint_phase: int = 0, with_requests: bool = False) -> tuple:
     """What one kvc_fused_verify launch finds, as (rows, active entries counted, entries skipped);
     active is -1 when the plan is disabled (no rows then). Rows: a BATCH ENTRY_COUNT row per
     request whose plan entry count differs from this batch's, then the checks of every live entry
-    (reference.check_entries), the real KV of those :func:`fingerprinted` picks."""
+    (reference.check_entries), the real KV of those :func:`fingerprinted` picks. ``with_requests``:
+    a fourth item, the batch index each row is attributed to (docs/format.md §5.6)."""
     if int(enable[0]) == 0:
-        return np.zeros((0, RING_COLS), np.int64), -1, 0
+        empty = np.zeros((0, RING_COLS), np.int64), -1, 0
+        return (*empty, np.zeros(0, np.int64)) if with_requests else empty
     active = min(max(int(num_valid[0]), 0), capacity)
     bs = len(q.row)
     off = np.asarray(entry_offsets, np.int64)
@@ -247,9 +249,13 @@ def fused_verify_rows(*, canary, q: Requests, entry_offsets, num_valid, enable, 
     x = entries(q, off, active, req_to_token, swa_map, expected_pool, expected_valid_lens, expected_token_offset)
     live = np.flatnonzero(x.live)
     fp = fingerprinted(x.position[live], x.end[live], fingerprint_every, fingerprint_phase)
-    rows.append(check_entries(canary, x.slot[live], x.prev[live], x.expected_token[live], x.position[live],
-                              sources, tag, check_expected_token, fingerprinted=fp))
-    return np.concatenate(rows), active, active - len(live)
+    checked, e = check_entries(canary, x.slot[live], x.prev[live], x.expected_token[live], x.position[live],
+                               sources, tag, check_expected_token, fingerprinted=fp, with_entries=True)
+    rows.append(checked)
+    out = np.concatenate(rows), active, active - len(live)
+    if not with_requests:
+        return out
+    return (*out, np.concatenate([bad, owners(off, bs, live[e])]).astype(np.int64))
 
 
 def fingerprinted(position, end, every: int, phase_counter: int) -> np.ndarray | None:

@@ -19,7 +19,7 @@ from .validate import choice, path_like
 from .violations import Violation
 
 log = logging.getLogger("kvcanary")
-MODES = ("none", "log", "raise")
+MODES = ("none", "log", "raise", "fail_request")
 
 
 class Exporter:
@@ -99,12 +99,18 @@ class Reporter:
         for v in rows:
             self._emit(v.to_dict(type="violation", step=step, ring_overflow=overflow_total))
         if self.mode == "raise":
-            raise CanaryViolationError(rows, lost)
+            raise CanaryViolationError(rows, lost)  # "fail_request" reports as "log" does
         for v in rows:
             log.warning("%s", v)
         if lost:
             log.warning("kv_canary ring full: %d violation(s) not recorded at step %d (%d so far); fix: "
                         "raise ring_capacity or poll more often", lost, step, overflow_total)
+
+    def failed_requests(self, failed: list) -> None:
+        """A step's failed requests (:class:`~kvcanary.verdicts.FailedRequest`): a record and a log line each."""
+        for f in failed:
+            self._emit(f.to_dict())
+            log.warning("%s", f)
 
     def stats(self, record: dict, emit_line: bool) -> None:
         self._emit({"type": "stats", **record})

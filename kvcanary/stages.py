@@ -86,8 +86,9 @@ class StageLaunches:
         for g, grp in self.groups.items():
             plan = self.plans[g]
             swa = dict(swa_window=grp.window, swa_map=grp.full_to_swa) if g == "SWA" else {}
-            if stage == "HEAD":
-                out += ops.prepare_build_plan(batch, plan, ctx=self.head_ctx[g], stream=stream, **swa)
+            if stage == "HEAD":  # the step's first build resets its request verdicts (docs/format.md §5.6)
+                out += ops.prepare_build_plan(batch, plan, ctx=self.head_ctx[g], stream=stream,
+                                              reset_verdicts=g == next(iter(self.groups)), **swa)
             loc = batch.swa_out_cache_loc if g == "SWA" else batch.out_cache_loc
             if loc is None:
                 raise ValidationError(f"kv-canary: batch.{'swa_' if g == 'SWA' else ''}out_cache_loc must be given "
@@ -111,7 +112,7 @@ class StageLaunches:
                                                              check_expected_token=self.check_expected_token, **swa))
                 else:
                     verifies.append(ops.prepare_verify(vctx, plan, check_expected_token=self.check_expected_token,
-                                                       stream=stream))
+                                                       stream=stream, per_request=True))
             if pair:
                 for launches in (writes, verifies):
                     both = paired(*launches)

@@ -120,10 +120,16 @@ class ViolationSink:
     violation), ``consumed`` (int64 ``[1]``: ring rows the host has taken; rows are then kept in a
     window of ``capacity`` after it) and ``skips`` (int64 ``[1]``: verify entries the kernels
     skipped because the plan and the launch's batch disagree).
+
+    Request verdicts (docs/format.md §5.6), each optional: ``verdicts`` (int64 ``[n]``: a row
+    attributed to request r < n of the batch ORs its fail bits into ``verdicts[r]``),
+    ``failed_requests`` (int64 ``[1]``: the words that became nonzero) and ``ring_requests`` (int64
+    ``[capacity]``: the request of the row stored at the same ring index, -1 for none). A step's
+    first plan build resets the first two.
     """
 
     def __init__(self, ring, write_index, kernel_run_counter, slot_run_counter, *, claim=None,
-                 consumed=None, skips=None):
+                 consumed=None, skips=None, verdicts=None, failed_requests=None, ring_requests=None):
         self.ring_view = checked(ring, "violation ring", dtype=np.int64, ndim=2, writable=True,
                                  shape=(None, abi.RING_COLS))
         self.write_index_view = checked(write_index, "write_index", dtype=np.int32, shape=(1,), ndim=1, writable=True)
@@ -138,8 +144,15 @@ class ViolationSink:
         if self.capacity < 1:
             raise ValidationError("kv-canary: violation ring must have at least 1 row, got 0. Fix: "
                                   "allocate it as [capacity >= 1, 8]")
+        self.verdicts_view = None if verdicts is None else checked(verdicts, "verdicts", dtype=np.int64, ndim=1,
+                                                                   writable=True)
+        self.failed_view = opt(failed_requests, "failed_requests")
+        self.ring_requests_view = None if ring_requests is None else checked(
+            ring_requests, "ring_requests", dtype=np.int64, shape=(self.capacity,), ndim=1, writable=True)
+        self.verdict_arrays = (verdicts, failed_requests, ring_requests)
         self.device = same_device([self.ring_view, self.write_index_view, self.kernel_run_view,
-                                   self.slot_run_view, self.claim_view, self.consumed_view, self.skips_view],
+                                   self.slot_run_view, self.claim_view, self.consumed_view, self.skips_view,
+                                   self.verdicts_view, self.failed_view, self.ring_requests_view],
                                   "a ViolationSink")
 
     @classmethod
@@ -157,6 +170,10 @@ class ViolationSink:
         p.skip_counter = 0 if self.skips_view is None else self.skips_view.ptr
         p.kernel_run_counter, p.slot_run_counter = self.kernel_run_view.ptr, self.slot_run_view.ptr
         p.tag = int(tag)
+        v = self.verdicts_view
+        p.verdicts, p.verdict_len = (0, 0) if v is None else (v.ptr, v.shape[0])
+        p.failed_requests = 0 if self.failed_view is None else self.failed_view.ptr
+        p.ring_requests = 0 if self.ring_requests_view is None else self.ring_requests_view.ptr
 
     def params(self, struct_type, tag):
         """A fresh params struct with only this sink's fields filled (the plan builder's)."""

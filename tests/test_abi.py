@@ -61,9 +61,9 @@ def test_snapshot_kernel_is_declared_like_the_others():
     assert abi.STRUCTS.index(abi.SNAPSHOT_PARAMS) > abi.STRUCTS.index(abi.PROBE_PARAMS)  # appended
     assert abi.SNAPSHOT_PARAMS in abi.PARAMS_STRUCTS
     assert abi.KERNELS["kvc_echo_KvcSnapshotParams"] == "KvcSnapshotParams"
-    assert abi.layout(abi.SNAPSHOT_PARAMS) == {"status": 0, "payload": 8, "done": 16, "n": 24, "ticket": 32}
+    assert abi.layout(abi.SNAPSHOT_PARAMS) == {"status": 0, "payload": 8, "done": 16, "n": 24, "ticket": 32, "head": 40}
     text = abi.render_prelude()
-    assert "sizeof(KvcSnapshotParams) == 40" in text and "offset of KvcSnapshotParams.ticket" in text
+    assert "sizeof(KvcSnapshotParams) == 48" in text and "offset of KvcSnapshotParams.ticket" in text
     assert "X(KvcSnapshotParams)" in text
 
 

@@ -113,11 +113,14 @@ def run(w: Workload, to_backend, to_host, *, stream=None) -> dict:
     dev_pools = [columns(B(big.copy()), col, w.page_size * n) for (big, col), n in zip(w.pools, w.bytes_per_token)]
     sources = [kc.RealKvSource(p, w.page_size, n, r) for p, n, r in zip(dev_pools, w.bytes_per_token, w.read_bytes)]
     buf = kc.CanaryBuffer(B(np.zeros((w.num_slots, 32), np.uint8)))
+    bs = len(w.seed)
+    # request verdicts (docs/format.md §5.6): the write attributes its rows, the plan's verify does not
     sink = kc.ViolationSink(B(np.zeros((w.ring_capacity, 8), np.int64)), B(np.zeros(1, np.int32)),
-                            B(np.zeros(1, np.int64)), B(np.zeros(1, np.int64)))
+                            B(np.zeros(1, np.int64)), B(np.zeros(1, np.int64)), verdicts=B(np.zeros(bs, np.int64)),
+                            failed_requests=B(np.zeros(1, np.int64)),
+                            ring_requests=B(np.full(w.ring_capacity, -7, np.int64)))
     flag = B(np.array([1 if w.chain_assert else 0], np.int32))
     ctx = kc.VerifyContext(buf, sink, abi.LaunchTag.TAIL_K_FULL, sources, w.mode, chain_position_assert=flag)
-    bs = len(w.seed)
     plan = kc.StepPlan(bs, len(w.plan["slot"]), None)
     plan.offsets, plan.seed, plan.num_valid_reqs = B(w.offsets), B(w.seed), B(np.array([w.num_valid_reqs], np.int32))
     plan.device = ctx.device
@@ -148,7 +151,8 @@ def _verify_phase(w, ctx, plan, B, to_host, stream):
     s = ctx2.sink
     return {"canary_after_verify": to_host(ctx2.buffer.array), "ring": to_host(s.arrays[0]),
             "write_index": int(to_host(s.arrays[1])[0]), "kernel_runs": int(to_host(s.arrays[2])[0]),
-            "slot_runs": int(to_host(s.arrays[3])[0])}
+            "slot_runs": int(to_host(s.arrays[3])[0]), "verdicts": to_host(s.verdict_arrays[0]).copy(),
+            "failed_requests": int(to_host(s.verdict_arrays[1])[0]), "ring_requests": to_host(s.verdict_arrays[2])}
 
 
 def _recontext(ctx, canary_array, w, B, to_host):
@@ -165,9 +169,13 @@ def _recontext(ctx, canary_array, w, B, to_host):
 
 
 def ring_rows(effects: dict) -> list[tuple]:
-    """Recorded rows as a sorted list (the GPU records in a nondeterministic order)."""
+    """Recorded rows as a sorted list (the GPU records in a nondeterministic order), each with the
+    request it is attributed to appended when the effects carry them."""
     n = min(effects["write_index"], effects["ring"].shape[0])
-    return sorted(map(tuple, effects["ring"][:n].tolist()))
+    rows = effects["ring"][:n].tolist()
+    if "ring_requests" in effects:
+        rows = [row + [int(r)] for row, r in zip(rows, effects["ring_requests"][:n])]
+    return sorted(map(tuple, rows))
 
 
 def assert_same(a: dict, b: dict) -> None:
@@ -175,5 +183,7 @@ def assert_same(a: dict, b: dict) -> None:
     np.testing.assert_array_equal(a["canary_after_verify"], b["canary_after_verify"])
     assert a["write_index"] == b["write_index"]
     assert a["kernel_runs"] == b["kernel_runs"] and a["slot_runs"] == b["slot_runs"]
+    np.testing.assert_array_equal(a["verdicts"], b["verdicts"])
+    assert a["failed_requests"] == b["failed_requests"]
     if a["write_index"] <= a["ring"].shape[0]:
         assert ring_rows(a) == ring_rows(b)

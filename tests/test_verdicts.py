@@ -1,0 +1,135 @@
+"""Per-request verdicts (docs/format.md §5.6) on the CPU reference: which request of a step's batch
+a detection fails, with its bits and the slots its rows name. Expected batch indices come from
+the scripted session (tests/session.py) by hand: which request reads the slot a test breaks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvcanary as kc
+from kvcanary import abi
+from kvcanary.verdicts import FailedRequest
+from tests.session import Session
+
+
+def failed_by_step(records) -> dict:
+    """{step: {batch_index: (reasons, slots)}} from the failed_request records a canary exported."""
+    out: dict = {}
+    for r in records:
+        if r["type"] == "failed_request":
+            out.setdefault(r["step"], {})[r["batch_index"]] = (r["reasons"], tuple(r["slots"]))
+    return out
+
+
+def _flip_b_cached_kv(sess, arrays):
+    sess.flipped = int(sess.rtt[2, 2])  # B's cached position 2; step 3's batch: A 0, B 1, C 2
+    sess.k[0][sess.flipped, 5] ^= 0x40
+    sess.sync_pools()
+
+
+def _flip_shared_kv(sess, arrays):
+    sess.flipped = int(sess.rtt[1, 4])  # A's position 4, shared by C (rows 1 and 3: indices 0 and 2)
+    sess.k[1][sess.flipped, 9] ^= 0x01
+    sess.sync_pools()
+
+
+def test_one_request_among_many_fails_alone_with_its_slot():
+    s = Session()
+    s.play(corrupt_at=3, corrupt=_flip_b_cached_kv)
+    s.canary.flush()
+    got = failed_by_step(s.records)
+    slot = s.flipped
+    # B reads its cached position 2 in step 3 and every later step it runs in: TAIL's real-KV check
+    assert got[3] == {1: ("verify_real_kv_hash", (slot,))}
+    assert set(got) == {3, 4, 5, 6} and all(set(v) == {0} if k >= 4 else True for k, v in got.items())
+
+
+def test_two_requests_sharing_a_corrupted_block_both_fail():
+    s = Session()
+    s.play(corrupt_at=3, corrupt=_flip_shared_kv)
+    s.canary.flush()
+    got = failed_by_step(s.records)
+    slot = s.flipped
+    assert got[3] == {0: ("verify_real_kv_hash", (slot,)), 2: ("verify_real_kv_hash", (slot,))}
+
+
+def test_a_fault_no_request_reads_this_step_fails_none_until_one_reads_it():
+    s = Session()
+    s.step([(1, list(range(100, 110))), (2, list(range(200, 204)))])  # A and B prefill
+    s.k[0][int(s.rtt[2, 1]), 3] ^= 0x08   # B's cached KV, while only A runs
+    s.sync_pools()
+    s.step([(1, [110])])                   # step 1: A alone, B not in the batch
+    s.step([(1, [111]), (2, [204])])       # step 2: B reads it (batch index 1)
+    s.canary.flush()
+    got = failed_by_step(s.records)
+    assert 1 not in got and got[2] == {1: ("verify_real_kv_hash", (int(s.rtt[2, 1]),))}
+
+
+def test_a_wrong_new_token_fails_the_request_that_writes_it():
+    def wrong_position(sess, arrays):
+        arrays["pos"][-1] += 1  # the last new token of step 2's batch: B's (batch index 1)
+    s = Session(chain_position_assert=True)
+    s.play(corrupt_at=2, corrupt=wrong_position)
+    s.canary.flush()
+    got = failed_by_step(s.records)
+    assert set(got[2]) == {1} and got[2][1][0] == "write_position"
+    assert got[2][1][1] == (int(s.rtt[2, 13]),)  # the slot the bad token was written to
+
+
+def test_a_request_reading_the_padding_slot_fails_and_a_stray_padding_token_fails_none():
+    def zero_rtt(sess, arrays):
+        sess.rtt[2, 3] = 0  # B's cached position 3 -> the padding slot (step 3: B is batch index 1)
+    s = Session()
+    s.play(corrupt_at=3, corrupt=zero_rtt)
+    s.canary.flush()
+    got = failed_by_step(s.records)
+    assert set(got[3]) == {1} and "padding_slot_read" in got[3][1][0]
+
+    s = Session()  # a padding lane past the batch's tokens on a real slot: no one request owns it
+    s.step([(1, list(range(100, 104)))])
+    arrays = s.plan_step([(1, [104])])
+    loc = np.append(arrays["loc"], 77)
+    b = kc.Batch(arrays["rows"], arrays["prefix"], arrays["extend"], s.rtt.copy(), np.append(arrays["ids"], 0),
+                 np.append(arrays["pos"], 0), loc, swa_out_cache_loc=loc)
+    with pytest.raises(kc.ValidationError, match=r"a padding token past sum\(extend_lens\)"):
+        s.canary.before_forward(b)  # the host checks values first; on the device: tests/gpu/test_verdicts_gpu.py
+
+
+def test_verdict_words_and_count_are_the_step_s_and_reset_at_the_next_head():
+    s = Session()
+    s.play(corrupt_at=3, corrupt=_flip_shared_kv, stop_after=3)
+    words, count = np.array(s.canary.verdicts), int(s.canary.failed_count[0])
+    assert words.shape == (8,) and count == 2
+    assert words[0] == words[2] == int(abi.FailReason.VERIFY_REAL_KV_HASH_MISMATCH) and words[1] == 0
+    assert not words[3:].any()
+    s.sync_pools()
+    arrays = s.plan_step([(2, [299])])  # a step of B alone: HEAD resets the words
+    b = kc.Batch(arrays["rows"], arrays["prefix"], arrays["extend"], s.rtt.copy(), arrays["ids"], arrays["pos"],
+                 arrays["loc"], swa_out_cache_loc=arrays["loc"])
+    s.canary.before_forward(b)
+    assert not np.array(s.canary.verdicts).any() and int(s.canary.failed_count[0]) == 0
+
+
+def test_failed_requests_come_once_per_step_and_never_raise_in_fail_request_mode():
+    s = Session(mode="fail_request")
+    s.play(corrupt_at=3, corrupt=_flip_shared_kv, stop_after=3)
+    first = s.canary.failed_requests()
+    assert [(f.step, f.batch_index) for f in first] == [(3, 0), (3, 2)]
+    assert all(isinstance(f, FailedRequest) and f.reasons == abi.FailReason.VERIFY_REAL_KV_HASH_MISMATCH
+               for f in first)
+    assert s.canary.failed_requests() == []  # the same snapshot again: already handed over
+    s.canary.poll()
+    assert s.canary.failed_requests() == []  # a step that ran no HEAD has no new verdicts
+    assert any(r["type"] == "violation" for r in s.records)  # reported as in log mode
+
+
+def test_a_failed_request_has_a_log_line_and_an_export_record(caplog):
+    s = Session()
+    with caplog.at_level("WARNING", logger="kvcanary"):
+        s.play(corrupt_at=3, corrupt=_flip_b_cached_kv, stop_after=3)
+    assert any(m.startswith("kv_canary failed request: step=3 batch_index=1 fail_reason=verify_real_kv_hash")
+               for m in caplog.messages)
+    rec = next(r for r in s.records if r["type"] == "failed_request")
+    assert rec == {"type": "failed_request", "step": 3, "batch_index": 1, "reasons": "verify_real_kv_hash",
+                   "fail_reason_bits": 4, "slots": [s.flipped]}
