@@ -10,7 +10,7 @@ import os as _os
 from ._version import __version__  # noqa: E402
 from . import abi, compile as _compile  # noqa: E402
 from .abi import FailReason, HashMode, LaunchTag, MAX_REAL_KV_SOURCES  # noqa: E402
-from .errors import (CanaryViolationError, CompileError, DriverError, KvCanaryError,  # noqa: E402
+from .errors import (CanaryViolationError, CompileError, CorruptedKvError, DriverError, KvCanaryError,  # noqa: E402
                      NoCudaDriverError, UnsupportedDeviceError, ValidationError, ValidationTypeError)
 
 # the configured archs (the driver loads them on first launch); a compile worker compiles its own arch only
@@ -23,6 +23,7 @@ from .sources import (RealKvSource, source_from_slots, sources_from_layers,  # n
                       sources_from_pages, sources_from_vllm)
 from .state import CanaryBuffer, VerifyContext, ViolationSink  # noqa: E402
 from .violations import Violation, decode_ring  # noqa: E402
+from .verdicts import FailedRequest  # noqa: E402
 from .records import CanaryRecords  # noqa: E402
 from .manager import KvCanary, PoolGroup  # noqa: E402
 
@@ -34,5 +35,5 @@ __all__ = [
     "verify", "write", "Batch", "StepPlan", "RealKvSource", "source_from_slots",
     "sources_from_layers", "sources_from_pages", "sources_from_vllm", "CanaryBuffer",
     "VerifyContext", "ViolationSink", "Violation", "decode_ring", "COMPILED", "KvCanary", "PoolGroup",
-    "CanaryRecords",
+    "CanaryRecords", "FailedRequest", "CorruptedKvError",
 ]

@@ -79,3 +79,15 @@ class CanaryViolationError(KvCanaryError, RuntimeError):
         more = f" (+{overflow} not recorded: ring full)" if overflow else ""
         super().__init__(f"kv-canary: {len(lines)} KV cache violation(s){more}:\n" + "\n".join(lines))
         self.violations, self.overflow = list(violations), overflow
+
+
+class CorruptedKvError(KvCanaryError, RuntimeError):
+    """The error an engine adapter fails one request with in mode "fail_request": the request read
+    (or wrote) KV that failed the canary's checks (``failed``: its :class:`~kvcanary.verdicts.FailedRequest`)."""
+
+    def __init__(self, request_id, failed):
+        super().__init__(f"kv-canary: request {request_id!r} read KV cache entries that failed the canary's checks "
+                         f"in step {failed.step} ({failed.reason_text} at slots {list(failed.slots)}); it was "
+                         f"ended there, without that step's token, and its KV blocks are kept out of prefix reuse. "
+                         f"Retry the request (it recomputes its prefix); the canary log names the corrupted entries")
+        self.request_id, self.failed = request_id, failed

@@ -39,6 +39,7 @@ from ..reporting import MODES
 from ..validate import boolean, callable_or_none, choice, fail, hash_mode as parse_hash_mode
 from .common import canary_kwargs, check_layers
 from .transformers_batch import Scheduled, StepBatches, StepInfo, tokens
+from .transformers_fail import RequestFailer, check_engine
 from .transformers_layout import PagedLayout, check_transformers_version
 
 
@@ -55,6 +56,10 @@ class TransformersCanary:
     """Canary for ``model.generate_batch``/``init_continuous_batching`` of a transformers model.
 
     ``layers`` picks the layers whose K and V bytes are fingerprinted (None/"first", "all", list).
+    ``mode``: what a detection does (README, "What happens on a detection"): "log" (default) reports
+    it, "raise" stops the generation, "fail_request" reports it and ends only the request that read
+    the corrupted KV, with status FAILED and a :class:`~kvcanary.CorruptedKvError`, keeping its
+    blocks out of prefix reuse (:mod:`.transformers_fail`; :attr:`failed_requests` lists them).
     ``check_inputs`` compares the model's input tokens and positions with the request state (a
     wrong input token is a WRITE_TOKEN row). ``before_step(info)`` / ``after_step(info)`` are
     optional callbacks around each forward (observability, fault injection in tests).
@@ -99,6 +104,7 @@ class TransformersCanary:
         self._sessions = self._session = 0  # canaries built so far; the current one's number
         self._pending = Scheduled()
         self._batches: StepBatches | None = None
+        self._failer: RequestFailer | None = None  # mode="fail_request": the session's request failer
         # host seconds the canary spent: building a session's canary; per step, the notes taken after
         # prepare_batch_tensors, the step's Batch (staging, expected tokens), HEAD and TAIL (callbacks
         # excluded); and flushing it
@@ -168,10 +174,12 @@ class TransformersCanary:
         cache = processor.cache
         io, runner = processor.inputs_and_outputs, processor.model_runner
         kept = getattr(processor, "_kvcanary_kept", None)
+        if self.mode == "fail_request":
+            check_engine(processor)
         if kept is not None and kept[0] is self and kept[3] is cache:
             # a persistent manager's processor, attached again: its cache (prefix blocks included) lives
             # on, so its canary records do too (a new canary would report every block stamped before)
-            _, self.canary, self._batches, self.cache, self.layout, self._session = kept
+            _, self.canary, self._batches, self.cache, self.layout, self._session, self._failer = kept
         else:
             layout = PagedLayout(cache)
             k, v = layout.sources(self.layers)
@@ -186,8 +194,10 @@ class TransformersCanary:
                                         int(getattr(cache, "max_batch_tokens", 256)))
             self._sessions += 1
             self._session = self._sessions
+            self._failer = RequestFailer(layout.page_size) if self.mode == "fail_request" else None
         processor._kvcanary = self
-        processor._kvcanary_kept = (self, self.canary, self._batches, self.cache, self.layout, self._session)
+        processor._kvcanary_kept = (self, self.canary, self._batches, self.cache, self.layout, self._session,
+                                    self._failer)
         prepare, compute, warmup = io.prepare_batch_tensors, runner.compute_batch, runner.warmup
         # Async batching (two IO pairs): a decoding request's newest token is the previous batch's output,
         # which the forward carries over into input_ids on the device (its first op, in the graph).
@@ -213,7 +223,31 @@ class TransformersCanary:
         self._patch(io, "prepare_batch_tensors", prepare_batch_tensors)
         self._patch(runner, "compute_batch", compute_batch)
         self._patch(runner, "warmup", warm_up)
+        if self._failer is not None:
+            self._hook_failer(processor, io, cache)
         self.host_seconds["attach"] += perf_counter() - t0
+
+    def _hook_failer(self, processor, io, cache) -> None:
+        """mode="fail_request": the engine's update of each step drops (and fails) the requests the
+        canary failed; a completed block's hash is never registered again for a block they held."""
+        failer, update, mark = self._failer, io.prepare_batch_update, cache.mark_complete_blocks
+
+        def prepare_batch_update(*args, **kwargs):
+            return failer.update(processor, self.canary, update(*args, **kwargs))
+
+        def mark_complete_blocks(*args, **kwargs):
+            out = mark(*args, **kwargs)
+            if failer.poisoned:
+                failer.guard(cache)
+            return out
+        self._patch(io, "prepare_batch_update", prepare_batch_update)
+        self._patch(cache, "mark_complete_blocks", mark_complete_blocks)
+
+    @property
+    def failed_requests(self) -> list[dict]:
+        """mode="fail_request": each request ended for reading corrupted KV (request id, step, reasons,
+        the slots its rows name, the blocks kept out of prefix reuse, and whether it was still running)."""
+        return [] if self._failer is None else list(self._failer.failed)
 
     # ---- per step ----------------------------------------------------------------------------------
     def _note_requests(self, requests_in_batch) -> None:
@@ -256,8 +290,11 @@ class TransformersCanary:
         t2 = perf_counter()
         compute(model, batch_data)
         t3 = perf_counter()
+        step = self.canary.step
         with scope():
             self.canary.after_forward(batch, stream=stream)
+        if self._failer is not None:
+            self._failer.noted(step, [rid for rid, _, _ in pending.requests], stream)
         hs = self.host_seconds
         hs["batch"], hs["head"] = hs["batch"] + t1 - t0, hs["head"] + t2 - t1
         hs["tail"] += perf_counter() - t3
@@ -295,4 +332,5 @@ class TransformersCanary:
         total = lambda key: sum(s.get(key, 0) for s in stats.values())  # noqa: E731
         return {"requests": len(self.requests), "steps": self.steps, "verified_slots": total("verified_slots"),
                 "protected_tokens": total("protected_tokens"), "detections": len(self.detections),
-                "skipped_verifies": total("skipped_verifies"), "prefix_shared_tokens": self.prefix_shared_tokens}
+                "skipped_verifies": total("skipped_verifies"), "prefix_shared_tokens": self.prefix_shared_tokens,
+                "failed_requests": len(self.failed_requests)}
