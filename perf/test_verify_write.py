@@ -1,5 +1,8 @@
 """Issues 3 and 6: verify and write throughput on the GPU, next to the bounds of this run.
 
+Issue 28: the request verdicts' cost, the fused verify at decode bs 256 x 4096 with a sink that keeps
+them (the canary's) against the same launch without (the pointers 0), timed alternately in one run.
+
 Verify: decode bs 256 x context 4096 = 1M entries, identity-only, PARTIAL (1 source) and ALL
 (1 source, 1 KiB per token), fused (``kvcanary.fused_verify``) at decode bs 256 and 64 x 4096 on
 every slot layout of perf/workloads.py (lockstep decode, contiguous, paged, a vLLM-like mix of
@@ -69,6 +72,38 @@ def test_verify_throughput(report, workloads, timer, bounds, probes, mode, shape
     if mode == "all":
         report.row(f"{name}: bytes read / copy bandwidth", touched / t, "B/s", bound=copy,
                    bound_name="copy bw", target=ALL_BANDWIDTH_TARGET)
+
+
+VERDICT_TARGET = ("<=", 1.02)  # issue 28: the verdicts add at most 2 % to the verify step
+
+
+def verdict_context(w, ctx) -> kc.VerifyContext:
+    """``ctx`` (same buffer, sources, mode, tag) with a sink that keeps request verdicts (§5.6)."""
+    from kvcanary import memory
+    sink = w.sink
+    verdicts = kc.ViolationSink(*sink.arrays, verdicts=memory.zeros((w.bs,), "int64", 0),
+                                failed_requests=memory.zeros((1,), "int64", 0),
+                                ring_requests=memory.zeros((sink.capacity,), "int64", 0))
+    return kc.VerifyContext(ctx.buffer, verdicts, ctx.tag, ctx.sources, ctx.hash_mode)
+
+
+@gpu_timed
+@pytest.mark.parametrize("mode", ["identity", "partial"])
+def test_verdict_overhead(report, workloads, timer, mode):
+    """The verify step with request verdicts on against the same launch with them off (issue 28)."""
+    w = workloads.get(*DECODE_256)
+    ctx = w.context(mode)
+    on = verdict_context(w, ctx)
+    plan = w.plan()
+    kc.build_plan(w.batch, plan, stream=timer.handle, reset_verdicts=False)
+    fns = {"on": lambda s: kc.fused_verify(on, w.batch, plan, stream=s),
+           "off": lambda s: kc.fused_verify(ctx, w.batch, plan, stream=s)}
+    report.gpu(fns["on"])
+    t = timer.gpu_time_interleaved(fns)  # the ratio from rounds interleaved: clock drift cancels
+    assert w.violations() == 0 and int(on.sink.verdict_arrays[1].numpy()[0]) == 0, "the workload must verify clean"
+    report.row(f"verify fused {mode}, {w.label}: request verdicts on / off", t["on"], "s", bound=t["off"],
+               bound_name="the same launch without verdicts, interleaved rounds", target=VERDICT_TARGET,
+               series=f"verdicts {mode}", off_s=t["off"])
 
 
 @gpu_timed

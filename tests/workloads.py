@@ -107,18 +107,21 @@ def make(seed: int, *, num_slots=2048, page_size=16, mode=abi.HashMode.PARTIAL, 
     return w
 
 
-def run(w: Workload, to_backend, to_host, *, stream=None) -> dict:
-    """Write, corrupt, verify; return every effect as host numpy arrays."""
+def run(w: Workload, to_backend, to_host, *, stream=None, to_state=None) -> dict:
+    """Write, corrupt, verify; return every effect as host numpy arrays. ``to_state`` makes the
+    request verdict arrays the kernels write (default ``to_backend``; a backend whose 1-D int64
+    arrays are read-only inputs passes a writable one)."""
     B = to_backend
+    S = to_state or B
     dev_pools = [columns(B(big.copy()), col, w.page_size * n) for (big, col), n in zip(w.pools, w.bytes_per_token)]
     sources = [kc.RealKvSource(p, w.page_size, n, r) for p, n, r in zip(dev_pools, w.bytes_per_token, w.read_bytes)]
     buf = kc.CanaryBuffer(B(np.zeros((w.num_slots, 32), np.uint8)))
     bs = len(w.seed)
     # request verdicts (docs/format.md §5.6): the write attributes its rows, the plan's verify does not
     sink = kc.ViolationSink(B(np.zeros((w.ring_capacity, 8), np.int64)), B(np.zeros(1, np.int32)),
-                            B(np.zeros(1, np.int64)), B(np.zeros(1, np.int64)), verdicts=B(np.zeros(bs, np.int64)),
-                            failed_requests=B(np.zeros(1, np.int64)),
-                            ring_requests=B(np.full(w.ring_capacity, -7, np.int64)))
+                            B(np.zeros(1, np.int64)), B(np.zeros(1, np.int64)), verdicts=S(np.zeros(bs, np.int64)),
+                            failed_requests=S(np.zeros(1, np.int64)),
+                            ring_requests=S(np.full(w.ring_capacity, -7, np.int64)))
     flag = B(np.array([1 if w.chain_assert else 0], np.int32))
     ctx = kc.VerifyContext(buf, sink, abi.LaunchTag.TAIL_K_FULL, sources, w.mode, chain_position_assert=flag)
     plan = kc.StepPlan(bs, len(w.plan["slot"]), None)

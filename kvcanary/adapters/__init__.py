@@ -9,13 +9,16 @@ per-step :class:`~kvcanary.Batch` from the engine's metadata, on the engine's de
 - :mod:`.vllm`: vLLM-style per-layer paged caches (layouts detected in :mod:`.vllm_layout`), the block
   table -> ``req_to_token`` expansion and V1's per-layer attention metadata; :mod:`.stage`
   stages a step's metadata into persistent Batch buffers in one launch (vLLM, transformers);
-- :mod:`.transformers_paged`: Hugging Face ``transformers`` continuous batching (``generate_batch``).
+- :mod:`.transformers_paged`: Hugging Face ``transformers`` continuous batching (``generate_batch``);
+- :mod:`.failures`: the fail-closed hook of any engine: a step's batch index -> the engine's request
+  and the blocks to keep out of reuse.
 
 Which layers are fingerprinted is chosen with ``layers=``: None/"first" (default, layer 0), "all"
 (up to ``MAX_REAL_KV_SOURCES`` sources per pool half) or a list of layer indices.
 """
 
 from .common import select_layers
+from .failures import FailedRequests, RequestFailure, sglang_request_ids, vllm_request_ids
 from .sglang import (is_swa_pool, sglang_batch, sglang_canary, sglang_groups, sglang_pool_group,
                      sglang_sources)
 from .transformers_paged import StepInfo, TransformersCanary
@@ -28,5 +31,6 @@ __all__ = [
     "select_layers", "is_swa_pool", "sglang_batch", "sglang_canary", "sglang_groups", "sglang_pool_group",
     "sglang_sources", "StepInfo", "TransformersCanary", "block_table_to_req_to_token", "vllm_batch",
     "vllm_batch_from_metadata", "vllm_canary", "vllm_layer_layout", "vllm_layer_sources", "vllm_metadata",
-    "vllm_pool_group", "KV_CACHE_LAYOUTS", "VllmBatchStager", "PagedBatchStager",
+    "vllm_pool_group", "KV_CACHE_LAYOUTS", "VllmBatchStager", "PagedBatchStager", "FailedRequests",
+    "RequestFailure", "sglang_request_ids", "vllm_request_ids",
 ]

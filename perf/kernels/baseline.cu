@@ -15,11 +15,11 @@
 template <class P>
 __device__ __forceinline__ void kvcb_check(const P& p, const KvcEntry& x, bool check) {
   if (x.slot == KVC_PADDING_SLOT) {
-    kvc_record(p, x.slot, x.position, 0, KVC_NO_EXPECTED_TOKEN, 0, 0, KVC_PADDING_SLOT_READ);
+    kvc_record(p, KVC_NO_REQUEST, x.slot, x.position, 0, KVC_NO_EXPECTED_TOKEN, 0, 0, KVC_PADDING_SLOT_READ);
     return;
   }
   if (x.slot < 0 || x.slot >= p.num_slots) {
-    kvc_record(p, x.slot, x.position, 0, KVC_NO_EXPECTED_TOKEN, 0, 0, KVC_SLOT_OUT_OF_RANGE);
+    kvc_record(p, KVC_NO_REQUEST, x.slot, x.position, 0, KVC_NO_EXPECTED_TOKEN, 0, 0, KVC_SLOT_OUT_OF_RANGE);
     return;
   }
   const long long* f = kvc_slot(p, x.slot);
@@ -36,7 +36,7 @@ __device__ __forceinline__ void kvcb_check(const P& p, const KvcEntry& x, bool c
   if ((uint64_t)f[KVC_FIELD_REAL_KV_HASH] != kvc_fingerprint(p, x.slot)) bits |= KVC_VERIFY_REAL_KV_HASH_MISMATCH;
   if (check && x.expected_token != KVC_NO_EXPECTED_TOKEN && token != x.expected_token) bits |= KVC_VERIFY_TOKEN_MISMATCH;
   if (bits)
-    kvc_record(p, x.slot, position, token, check ? x.expected_token : KVC_NO_EXPECTED_TOKEN, prev_hash, expected, bits);
+    kvc_record(p, KVC_NO_REQUEST, x.slot, position, token, check ? x.expected_token : KVC_NO_EXPECTED_TOKEN, prev_hash, expected, bits);
 }
 
 extern "C" __global__ void __launch_bounds__(256)

@@ -88,7 +88,7 @@ def test_jax_inputs_through_dlpack():
             return _DLPackOnly(jax.device_put(jnp.asarray(a)))
         return memory.to_device(a)
 
-    workloads.assert_same(workloads.run(w, host, _host), workloads.run(w, to, _host))
+    workloads.assert_same(workloads.run(w, host, _host), workloads.run(w, to, _host, to_state=memory.to_device))
 
 
 def test_raw_pointers_equal_reference():
