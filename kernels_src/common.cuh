@@ -94,7 +94,7 @@ __device__ __forceinline__ uint64_t kvc_slot_hash(const P& p, long long slot) {
 // int32 is the v1 write index): row i is kept at i % capacity iff i - consumed < capacity, where
 // the host advances `consumed` once it has taken the rows before it; with consumed = 0 that is
 // fill once again. Rows not kept are counted by the claim, never stored over unread rows.
-// `request`: the batch index the row is attributed to, KVC_NO_REQUEST for none (§5.6): its bits are
+// `request`: the batch index the row is attributed to, KVC_NO_REQUEST for none (§5.7): its bits are
 // ORed into that request's verdict word whether or not the row is kept, and a kept row's request
 // is stored beside it.
 template <class P>

@@ -1,7 +1,7 @@
 // Plan builder (docs/format.md §8) in two launches. kvc_prepare (one block) scans the batch:
 // per-request verify-entry offsets, the WritePlan (offsets, seeds, num_valid_reqs) and the
 // overflow rule, and reports every batch value it rejects (abi.BatchField) through its sink. A
-// step's first kvc_prepare also resets the step's request verdicts (§5.6).
+// step's first kvc_prepare also resets the step's request verdicts (§5.7).
 // kvc_expand materialises the per-entry VerifyPlan from those offsets; the fused verify skips it.
 #include "common.cuh"
 
@@ -54,7 +54,7 @@ extern "C" __global__ void __launch_bounds__(KVC_PREPARE_THREADS) kvc_prepare(co
   KVC_AFTER_PREVIOUS_GRID();
   __shared__ long long warp_totals[32];
   __shared__ unsigned long long first_unowned;
-  if (p.verdict_reset != 0 && p.verdicts != 0) {  // a step's first build: its verdicts start clean (§5.6)
+  if (p.verdict_reset != 0 && p.verdicts != 0) {  // a step's first build: its verdicts start clean (§5.7)
     for (long long r = threadIdx.x; r < p.verdict_len; r += blockDim.x) p.verdicts[r] = 0ULL;
     if (threadIdx.x == 0 && p.failed_requests != 0) *p.failed_requests = 0ULL;
     __syncthreads();  // before any row of this launch is attributed

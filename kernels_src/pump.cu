@@ -14,7 +14,7 @@ extern "C" __global__ void kvc_snapshot(const __grid_constant__ KvcSnapshotParam
   if (blockIdx.x != 0) return;
   const volatile long long* src = p.status;  // written by this stream's earlier launches
   volatile long long* dst = p.payload;
-  // the verdict tail (cells past head) only when the step failed a request (cell head != 0, §5.6)
+  // the verdict tail (cells past head) only when the step failed a request (cell head != 0, §5.7)
   const long long n = (p.head >= 0 && p.head < p.n && src[p.head] == 0) ? p.head + 1 : p.n;
   for (long long i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
   __threadfence_system();

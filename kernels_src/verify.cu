@@ -103,7 +103,7 @@ __device__ __forceinline__ T kvc_from_prev_entry(const T* x, int v) {
 // values (§8): -1 a chain head, 0 not checked, KVC_PREV_ON_PADDING not checked and reported.
 // `fp[v]`: entry v's real KV is fingerprinted and compared (the fingerprint budget, §6.1).
 // `first`: the tile's first verified entry (lane l's entry v is first - 1 + v * 32 + l), whose
-// owner a row is attributed to (§5.6). Every lane of the warp must call it (shuffles).
+// owner a row is attributed to (§5.7). Every lane of the warp must call it (shuffles).
 // How a verify kernel fingerprints: one source's strips per lane (narrow), many sources batched per
 // lane (many), a warp's strips fetched together (wide), or not at all: the caller's fingerprints
 // (given; the block-spread *_many fold).
@@ -115,7 +115,7 @@ __device__ __forceinline__ bool kvc_tile_owns(const P& p, bool held, long long s
   return held && slot > 0 && slot < p.num_slots;
 }
 
-// The request a row of verify entry e is attributed to (§5.6): the last r with offsets[r] <= e among
+// The request a row of verify entry e is attributed to (§5.7): the last r with offsets[r] <= e among
 // the batch's requests, from the plan builder's entry offsets (for non-decreasing offsets, the
 // request that owns e). Looked up only for an entry that gives a row, so the clean path holds no
 // request per entry. KVC_NO_REQUEST without offsets (a sweep's plan).

@@ -168,7 +168,7 @@ STATUS_FIXED_CELLS = 3
 @dataclass(frozen=True)
 class StatusLayout:
     """Cell indices of a status block for ``contexts`` verify contexts and ``plans`` plans, then,
-    with ``requests`` > 0, the step's request verdicts (docs/format.md §5.6): the count of failed
+    with ``requests`` > 0, the step's request verdicts (docs/format.md §5.7): the count of failed
     requests, then one verdict word per batch index (both reset by the step's first plan build)."""
 
     contexts: int
@@ -251,7 +251,7 @@ COMMON = (
     _F("ring_claim", "ptr:unsigned long long"),
     _F("ring_consumed", "ptr:const long long"),   # 0 = fill once (format v1)
     _F("skip_counter", "ptr:unsigned long long"),  # 0, or verify entries skipped (plan != batch)
-    # Request verdicts (docs/format.md §5.6, a kvcanary extension): a row attributed to request r of
+    # Request verdicts (docs/format.md §5.7, a kvcanary extension): a row attributed to request r of
     # the batch ORs its fail bits into verdicts[r] (r < verdict_len); failed_requests counts the words
     # that became nonzero; ring_requests[i] names the request of the row stored at ring index i (-1:
     # none). Each 0 = off.
@@ -281,7 +281,7 @@ VERIFY_PARAMS = StructDecl("KvcVerifyParams", COMMON + (
     _F("plan_enable", "ptr:const int"),
     _F("plan_capacity", "i64"),
     # the plan builder's entry offsets [plan_requests + 1], which attribute a row to its request
-    # (docs/format.md §5.6); 0 = rows not attributed (a sweep's plan)
+    # (docs/format.md §5.7); 0 = rows not attributed (a sweep's plan)
     _F("plan_entry_offsets", "ptr:const long long"),
     _F("plan_requests", "i64"),
     *_VERIFY_TAIL,
@@ -380,7 +380,7 @@ SNAPSHOT_PARAMS = StructDecl("KvcSnapshotParams", (
     _F("n", "i64"),
     _F("ticket", "i64"),                    # written to *done last; never 0
     # cells [0, head] are always copied; (head, n) only when cell head (the step's failed-request
-    # count, docs/format.md §5.6) is nonzero. head = n - 1 copies everything.
+    # count, docs/format.md §5.7) is nonzero. head = n - 1 copies everything.
     _F("head", "i64"),
 ))
 

@@ -87,7 +87,7 @@ class Parts(NamedTuple):
     ctx: dict[Key, VerifyContext]
     plans: dict[str, StepPlan]       # per group, and "SWEEP"
     head_ctx: dict[str, VerifyContext]  # each group's first context: reports of its plan and records
-    ring_requests: Any               # int64 [ring_capacity]: the request of each stored ring row (§5.6)
+    ring_requests: Any               # int64 [ring_capacity]: the request of each stored ring row (§5.7)
 
 
 def build(full: PoolGroup, swa: PoolGroup | None, *, device, hash_mode, mode, max_batch: int, verify_capacity: int,

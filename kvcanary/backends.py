@@ -56,7 +56,7 @@ class HostBackend:
         return np.array(ring[idx], copy=True)
 
     def read_requests(self, ring_requests, start: int, stop: int) -> np.ndarray:
-        """The requests of the rows of claim indices [start, stop) (docs/format.md §5.6)."""
+        """The requests of the rows of claim indices [start, stop) (docs/format.md §5.7)."""
         return self.read_rows(ring_requests, start, stop)
 
     def set_consumed(self, status, value: int, stream) -> None:
@@ -157,7 +157,7 @@ class CudaBackend:
         return np.concatenate([self._pump.read_ring(a, cap), self._pump.read_ring(0, b)])
 
     def read_requests(self, ring_requests, start: int, stop: int) -> np.ndarray:
-        """The requests of the rows of claim indices [start, stop) (docs/format.md §5.6), as
+        """The requests of the rows of claim indices [start, stop) (docs/format.md §5.7), as
         :meth:`read_rows` reads the rows."""
         cap = ring_requests.shape[0]
         if stop <= start:

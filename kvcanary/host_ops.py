@@ -24,7 +24,7 @@ def _ref_sink(sink: ViolationSink) -> dict:
 
 
 def _verdicts(sink: ViolationSink) -> reference.Verdicts | None:
-    """The sink's request verdict arrays (docs/format.md §5.6) as the reference takes them."""
+    """The sink's request verdict arrays (docs/format.md §5.7) as the reference takes them."""
     views = (sink.verdicts_view, sink.failed_view, sink.ring_requests_view)
     if all(v is None for v in views):
         return None

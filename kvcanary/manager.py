@@ -185,7 +185,7 @@ class KvCanary:
         with self._lock:
             move_records(self, slots, records, group, stream)
 
-    # ---- request verdicts (docs/format.md §5.6) ------------------------------------------------------
+    # ---- request verdicts (docs/format.md §5.7) ------------------------------------------------------
     @property
     def verdicts(self):
         """The step's request verdicts where the kernels keep them: int64 ``[max_batch]``, word r the

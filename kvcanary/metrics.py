@@ -47,6 +47,8 @@ GAUGES = {
 }
 VIOLATIONS = ("kvcanary_violations", "Violation records by launch tag and fail reason (one per set reason bit).")
 RECORDS = ("kvcanary_violation_records", "Violation records (ring rows) by launch tag.")
+FAILED = ("kvcanary_failed_requests", "Requests of a step's batch that read or wrote KV failing a check (docs/format.md "
+          "5.7), by fail reason (one per set reason bit); each is failed in mode fail_request.")
 RESERVED_LABELS = ("tag", "reason")
 _LABEL_NAME = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")  # Prometheus' label names; "__" starts reserved ones
 
@@ -84,6 +86,7 @@ def _metric_families(pc, registry, names: tuple[str, ...]) -> dict:
         metrics.update({key: pc.Gauge(name, doc, names, registry=registry) for key, (name, doc) in GAUGES.items()})
         metrics["violations"] = pc.Counter(*VIOLATIONS, (*names, "tag", "reason"), registry=registry)
         metrics["records"] = pc.Counter(*RECORDS, (*names, "tag"), registry=registry)
+        metrics["failed"] = pc.Counter(*FAILED, (*names, "reason"), registry=registry)
         _families[registry] = (names, metrics)
         return metrics
 
@@ -134,6 +137,9 @@ class PrometheusMetrics:
             self._violation(record)
         elif kind == "stats":
             self._stats(record)
+        elif kind == "failed_request":
+            for reason in str(record.get("reasons") or "unknown").split("+"):
+                self._metrics["failed"].labels(**self.labels, reason=reason).inc()
 
     def _violation(self, record: dict) -> None:
         tag = str(record.get("launch_tag", "unknown"))

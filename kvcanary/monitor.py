@@ -43,7 +43,7 @@ class Monitor:
         full = parts.groups["FULL"].resolved_halves()[0]
         self.tokens_ctx = self.keys.index(Key("TAIL", "FULL", full, "write"))
         self.verifies = np.array([i for i, k in enumerate(self.keys) if k.op == "verify"], np.intp)
-        # request verdicts (docs/format.md §5.6): a step's words are whole once its TAIL verify ran as
+        # request verdicts (docs/format.md §5.7): a step's words are whole once its TAIL verify ran as
         # often as its HEAD verify, and are reported once per HEAD run (the device's step count)
         self.ring_requests = parts.ring_requests
         self.verdict_runs = (self.layout.runs(self.keys.index(Key("HEAD", "FULL", full, "verify"))),
@@ -125,7 +125,7 @@ class Monitor:
             self.reporter.stats(self.stats_of(snap, step), emit)
 
     def verdicts(self, snap: list, step: int, rows, start: int, stop: int) -> None:
-        """The failed requests a snapshot shows (docs/format.md §5.6), once per step: reported and
+        """The failed requests a snapshot shows (docs/format.md §5.7), once per step: reported and
         kept for :meth:`take_failed`. A snapshot carries the verdict words only when its step
         failed a request; one taken between a HEAD and its TAIL waits for the TAIL's."""
         lay = self.layout

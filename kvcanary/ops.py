@@ -53,7 +53,7 @@ def _run(launches) -> None:
 def verify(ctx: VerifyContext, plan: StepPlan, *, check_expected_token: bool = False, stream=None,
            per_request: bool = False) -> None:
     """Verify the materialised plan's entries against ``ctx`` (docs/format.md §6). Read-only on the buffer.
-    ``per_request``: attribute each row to its request through the plan's entry offsets (§5.6)."""
+    ``per_request``: attribute each row to its request through the plan's entry offsets (§5.7)."""
     def pack():
         launch = prepare_verify(ctx, plan, check_expected_token=check_expected_token, stream=stream,
                                 per_request=per_request)
@@ -99,7 +99,7 @@ def build_plan(batch: Batch, plan: StepPlan, *, swa_window: int = 0, swa_map=Non
     """Fill ``plan`` from ``batch`` (docs/format.md §8): WritePlan, entry offsets, overflow rule, and the
     per-entry VerifyPlan when the plan is materialised. Batch values the device finds out of range
     are reported through ``ctx``'s sink (tag ``ctx.tag``), else through ``plan.reject_sink``.
-    ``reset_verdicts``: zero the sink's request verdicts first (§5.6; a step's first build)."""
+    ``reset_verdicts``: zero the sink's request verdicts first (§5.7; a step's first build)."""
     def pack():
         return prepare_build_plan(batch, plan, swa_window=swa_window, swa_map=swa_map, ctx=ctx, stream=stream,
                                   reset_verdicts=reset_verdicts)

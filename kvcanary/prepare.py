@@ -75,7 +75,7 @@ def prepare_verify(ctx: VerifyContext, plan: StepPlan, *, check_expected_token: 
                    stream=None, per_request: bool = False) -> Launch | None:
     """:func:`verify` validated and packed; host arrays run on the reference now (returns None).
     ``per_request``: attribute each row to its entry's request through the plan's entry offsets
-    (docs/format.md §5.6; a plan :func:`build_plan` filled, not a sweep's)."""
+    (docs/format.md §5.7; a plan :func:`build_plan` filled, not a sweep's)."""
     _check_args(ctx=ctx, plan=plan)
     _check_plan_device(ctx, plan)
     check = boolean("check_expected_token", check_expected_token)
@@ -206,7 +206,7 @@ def _batch_views(batch: Batch, plan: StepPlan, swa_window, swa_map) -> tuple[dic
 def prepare_build_plan(batch: Batch, plan: StepPlan, *, swa_window: int = 0, swa_map=None,
                        ctx: VerifyContext | None = None, stream=None, reset_verdicts: bool = True) -> list[Launch]:
     """:func:`build_plan` validated and packed (one or two launches); host arrays run now.
-    ``reset_verdicts``: first zero the sink's request verdicts (docs/format.md §5.6): a step's
+    ``reset_verdicts``: first zero the sink's request verdicts (docs/format.md §5.7): a step's
     first build does, a second group's build of the same step must not."""
     _check_args(batch=batch, plan=plan, ctx=_NOT_TAKEN if ctx is None else ctx)
     reset = boolean("reset_verdicts", reset_verdicts)

@@ -42,7 +42,7 @@ class SnapshotFifo:
     def __init__(self, payload: np.ndarray, words: np.ndarray, head: int | None = None):
         self.payload, self.words = payload, words
         # cells [0, head] of a snapshot are always there; the rest (the step's request verdicts,
-        # docs/format.md §5.6) only when cell head is nonzero: the kernel copied them then
+        # docs/format.md §5.7) only when cell head is nonzero: the kernel copied them then
         self.head = payload.shape[1] - 1 if head is None else head
         self._words = memoryview(words).cast("B").cast("q")  # element reads give Python ints
         self.depth = len(words)
@@ -177,7 +177,7 @@ class Pump:
         return self.ring_pinned.array[start:stop].copy()
 
     def read_requests(self, start: int, stop: int) -> np.ndarray:
-        """The requests of ring rows [start, stop) (docs/format.md §5.6), as :meth:`read_ring` reads rows."""
+        """The requests of ring rows [start, stop) (docs/format.md §5.7), as :meth:`read_ring` reads rows."""
         if stop <= start or self.ring_requests is None:
             return np.full(max(stop - start, 0), abi.NO_REQUEST, np.int64)
         if self.requests_pinned is None:

@@ -43,7 +43,7 @@ def _wrap_i32(x):
 
 @dataclass
 class Verdicts:
-    """The request verdicts of a sink (docs/format.md §5.6): int64 ``words`` (one per batch index),
+    """The request verdicts of a sink (docs/format.md §5.7): int64 ``words`` (one per batch index),
     the int64 ``[1]`` count of words that became nonzero (``failed``) and the int64 ``[capacity]``
     request of each stored ring row (``ring_requests``); any may be None (not kept)."""
 
@@ -69,7 +69,7 @@ def ring_append(ring: np.ndarray, write_index: np.ndarray, rows, claim=None, con
     at ``i % len(ring)`` iff ``0 <= i - consumed[0] < len(ring)`` (``consumed`` None: 0).
     Rows that are not stored are counted, never stored over unread rows.
     ``requests``: the batch index each row is attributed to (NO_REQUEST: none; None: no row is);
-    with ``verdicts`` (§5.6) a row ORs its bits into its request's word (stored or not) and a
+    with ``verdicts`` (§5.7) a row ORs its bits into its request's word (stored or not) and a
     stored row's request is kept beside it.
     """
     rows = np.asarray(rows, dtype=np.int64).reshape(-1, RING_COLS)
@@ -136,7 +136,7 @@ def self_test_rows(*, self_test, self_test_every: int, run: int, num_slots: int,
 
 
 def owners(entry_offsets, requests: int, entries) -> np.ndarray:
-    """The request each entry's row is attributed to (docs/format.md §5.6): the last r < ``requests``
+    """The request each entry's row is attributed to (docs/format.md §5.7): the last r < ``requests``
     with ``entry_offsets[r] <= e`` (0 when none), as ``kvc_owner_of`` finds it; NO_REQUEST for every
     entry without offsets."""
     e = np.asarray(entries, np.int64)
@@ -156,7 +156,7 @@ def verify(*, canary, slot, expected_token, expected_position, prev_slot, num_va
     active`` (``active = clamp(num_valid[0], 0, len(slot))``, slot-0 entries included) and the rows
     of :func:`check_entries` for entries < active. Entries past ``active`` are never read;
     ``canary`` is never modified. With the plan builder's ``entry_offsets`` (``plan_requests`` + 1
-    of them) each row is attributed to its entry's request (:func:`owners`, §5.6).
+    of them) each row is attributed to its entry's request (:func:`owners`, §5.7).
     """
     kernel_run_counter[0] += 1
     ring_append(ring, write_index, self_test_rows(self_test=self_test, self_test_every=self_test_every,
@@ -233,7 +233,7 @@ def write(*, canary, offsets, seed, num_valid_reqs, input_ids, positions, out_ca
     Entries with slot < 0 are skipped; slot >= num_slots gives a SLOT_OUT_OF_RANGE row and is
     skipped. Seeds are read before any store. ``kernel_run_counter += 1``; ``slot_run_counter +=``
     stamped entries. Sources are read, never written. Every row is attributed to its request r
-    (docs/format.md §5.6).
+    (docs/format.md §5.7).
     """
     if (expected_input_ids is None) != (expected_positions is None):
         raise ValueError("kv-canary: expected_input_ids and expected_positions must be given "

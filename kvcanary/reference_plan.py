@@ -236,7 +236,7 @@ def fused_verify_rows(*, canary, q: Requests, entry_offsets, num_valid, enable, 
     active is -1 when the plan is disabled (no rows then). Rows: a BATCH ENTRY_COUNT row per
     request whose plan entry count differs from this batch's, then the checks of every live entry
     (reference.check_entries), the real KV of those :func:`fingerprinted` picks. ``with_requests``:
-    a fourth item, the batch index each row is attributed to (docs/format.md §5.6)."""
+    a fourth item, the batch index each row is attributed to (docs/format.md §5.7)."""
     if int(enable[0]) == 0:
         empty = np.zeros((0, RING_COLS), np.int64), -1, 0
         return (*empty, np.zeros(0, np.int64)) if with_requests else empty

@@ -86,7 +86,7 @@ class StageLaunches:
         for g, grp in self.groups.items():
             plan = self.plans[g]
             swa = dict(swa_window=grp.window, swa_map=grp.full_to_swa) if g == "SWA" else {}
-            if stage == "HEAD":  # the step's first build resets its request verdicts (docs/format.md §5.6)
+            if stage == "HEAD":  # the step's first build resets its request verdicts (docs/format.md §5.7)
                 out += ops.prepare_build_plan(batch, plan, ctx=self.head_ctx[g], stream=stream,
                                               reset_verdicts=g == next(iter(self.groups)), **swa)
             loc = batch.swa_out_cache_loc if g == "SWA" else batch.out_cache_loc

@@ -121,7 +121,7 @@ class ViolationSink:
     window of ``capacity`` after it) and ``skips`` (int64 ``[1]``: verify entries the kernels
     skipped because the plan and the launch's batch disagree).
 
-    Request verdicts (docs/format.md §5.6), each optional: ``verdicts`` (int64 ``[n]``: a row
+    Request verdicts (docs/format.md §5.7), each optional: ``verdicts`` (int64 ``[n]``: a row
     attributed to request r < n of the batch ORs its fail bits into ``verdicts[r]``),
     ``failed_requests`` (int64 ``[1]``: the words that became nonzero) and ``ring_requests`` (int64
     ``[capacity]``: the request of the row stored at the same ring index, -1 for none). A step's

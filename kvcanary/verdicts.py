@@ -1,4 +1,4 @@
-"""Per-request verdicts on the host (docs/format.md §5.6): which requests of a step's batch read or
+"""Per-request verdicts on the host (docs/format.md §5.7): which requests of a step's batch read or
 wrote KV that failed a check, with their fail bits and the slots their violation rows name.
 
 The kernels OR every row they can attribute to a request of the batch into that request's verdict

@@ -3,7 +3,9 @@ otherwise run (perf/transformers_workload.py: generate_batch of 32 requests of 6
 tokens, 64 new tokens, on a bf16 Llama of 8 layers x hidden 1024 and of 4 x 256).
 
 One round generates, in turn: the engine's fast configuration (CUDA graphs and async batching)
-without the canary, with ``layers="first"`` and with ``layers="all"`` (PARTIAL fingerprints);
+without the canary, with ``layers="first"``, with ``layers="all"`` (PARTIAL fingerprints) and with
+``layers="first"`` in ``mode="fail_request"`` (issue 28: each step's update waits for the step's
+canary snapshot and takes its failed requests);
 for the large model also the plain configuration (no graphs, no async) without and with the
 canary. Rounds are interleaved, after a warm-up round; each variant's best round is its time.
 The timed quantity is the generation loop (every step, from the background thread's start to its
@@ -43,7 +45,8 @@ def test_transformers_generation_cost(report, model_name):
     _setup()
     model, prompts = build(model_name)
     canaries = {layers: canary_for(model, layers) for layers in ("first", "all")}
-    variants = [("fast", None), ("fast", "first"), ("fast", "all")]
+    canaries["fail"] = canary_for(model, "first", mode="fail_request")
+    variants = [("fast", None), ("fast", "first"), ("fast", "all"), ("fast", "fail")]
     if model_name == "8x1024":
         variants += [("plain", None), ("plain", "first")]
     loops: dict = {v: [] for v in variants}
@@ -84,6 +87,11 @@ def test_transformers_generation_cost(report, model_name):
         report.row(f"transformers {model_name}: whole generate_batch, CUDA graphs + async batching, layers={layers}",
                    best_whole[("fast", layers)], "s", bound=best_whole[("fast", None)],
                    bound_name="the same without the canary (manager set-up, warm-up, captures: +-10 %)")
+    t = best[("fast", "fail")]
+    report.row(f"transformers {model_name}: generation loop, CUDA graphs + async batching, canary layers=first, "
+               "mode=fail_request", t, "s", bound=base, bound_name="the same loop without the canary, same rounds",
+               target=("<=", 1.02) if model_name == "8x1024" else None, steps=steps[("fast", "fail")], without_s=base,
+               log_mode_s=best[("fast", "first")])
     if ("plain", None) in best:
         plain = best[("plain", None)]
         report.row(f"transformers {model_name}: generation loop, plain engine (no graphs, no async), canary "

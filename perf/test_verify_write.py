@@ -78,7 +78,7 @@ VERDICT_TARGET = ("<=", 1.02)  # issue 28: the verdicts add at most 2 % to the v
 
 
 def verdict_context(w, ctx) -> kc.VerifyContext:
-    """``ctx`` (same buffer, sources, mode, tag) with a sink that keeps request verdicts (§5.6)."""
+    """``ctx`` (same buffer, sources, mode, tag) with a sink that keeps request verdicts (§5.7)."""
     from kvcanary import memory
     sink = w.sink
     verdicts = kc.ViolationSink(*sink.arrays, verdicts=memory.zeros((w.bs,), "int64", 0),
@@ -88,7 +88,7 @@ def verdict_context(w, ctx) -> kc.VerifyContext:
 
 
 @gpu_timed
-@pytest.mark.parametrize("mode", ["identity", "partial"])
+@pytest.mark.parametrize("mode", list(MODES))
 def test_verdict_overhead(report, workloads, timer, mode):
     """The verify step with request verdicts on against the same launch with them off (issue 28)."""
     w = workloads.get(*DECODE_256)

@@ -95,12 +95,12 @@ def generate(model, prompts, engine: str, canary=None) -> tuple[float, float, li
     return t, LOOPS[-1], [out[k].generated_tokens for k in sorted(out, key=lambda k: int(k.split("_")[-1]))]
 
 
-def canary_for(model, layers: str | None):
-    """A TransformersCanary with ``layers`` fingerprinted (PARTIAL), or None for ``layers=None``."""
+def canary_for(model, layers: str | None, mode: str = "log"):
+    """A TransformersCanary with ``layers`` fingerprinted (PARTIAL) in ``mode``, or None for ``layers=None``."""
     if layers is None:
         return None
     from kvcanary.adapters import TransformersCanary
-    return TransformersCanary(model, layers=layers, hash_mode="partial", mode="log")
+    return TransformersCanary(model, layers=layers, hash_mode="partial", mode=mode)
 
 
 def main() -> None:

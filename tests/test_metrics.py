@@ -122,6 +122,9 @@ def test_scraped_counters_follow_clean_steps_and_a_flipped_kv_byte(registry, scr
         series("violations_total", tag="TAIL_K_FULL", reason="verify_real_kv_hash")]
     assert faulty[series("violations_total", tag="TAIL_K_FULL", reason="verify_real_kv_hash")] == 1
     assert faulty[series("violation_records_total", tag="TAIL_K_FULL")] == 1
+    # the one request of the batch read it: one failed request (docs/format.md 5.7), none before
+    assert faulty[series("failed_requests_total", reason="verify_real_kv_hash")] == 1
+    assert not [key for key in clean if key[0] == "kvcanary_failed_requests_total"]
     assert faulty[series("verified_slots_total")] == verified([3, 4, 5])
     assert faulty[series("protected_tokens_total")] == stats[-1]["protected_tokens"]
     assert faulty[series("protected_tokens_total")] > clean[series("protected_tokens_total")]

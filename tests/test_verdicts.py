@@ -1,4 +1,4 @@
-"""Per-request verdicts (docs/format.md §5.6) on the CPU reference: which request of a step's batch
+"""Per-request verdicts (docs/format.md §5.7) on the CPU reference: which request of a step's batch
 a detection fails, with its bits and the slots its rows name. Expected batch indices come from
 the scripted session (tests/session.py) by hand: which request reads the slot a test breaks."""
 

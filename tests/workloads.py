@@ -117,7 +117,7 @@ def run(w: Workload, to_backend, to_host, *, stream=None, to_state=None) -> dict
     sources = [kc.RealKvSource(p, w.page_size, n, r) for p, n, r in zip(dev_pools, w.bytes_per_token, w.read_bytes)]
     buf = kc.CanaryBuffer(B(np.zeros((w.num_slots, 32), np.uint8)))
     bs = len(w.seed)
-    # request verdicts (docs/format.md §5.6): the write attributes its rows, the plan's verify does not
+    # request verdicts (docs/format.md §5.7): the write attributes its rows, the plan's verify does not
     sink = kc.ViolationSink(B(np.zeros((w.ring_capacity, 8), np.int64)), B(np.zeros(1, np.int32)),
                             B(np.zeros(1, np.int64)), B(np.zeros(1, np.int64)), verdicts=S(np.zeros(bs, np.int64)),
                             failed_requests=S(np.zeros(1, np.int64)),

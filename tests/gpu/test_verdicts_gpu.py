@@ -1,4 +1,4 @@
-"""GPU tier: the request verdicts of the kernels (docs/format.md §5.6) equal the CPU reference's,
+"""GPU tier: the request verdicts of the kernels (docs/format.md §5.7) equal the CPU reference's,
 word for word, with every stored row's request, on the seeded workloads the tier already uses:
 the plan builder's rejected batch values, the tiled verifies (fused and materialised) on stamped
 state with corrupted records, KV bytes and req_to_token entries, and the write's input asserts;
