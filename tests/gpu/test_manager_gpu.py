@@ -259,6 +259,9 @@ def test_session_replayed_from_cuda_graphs_equals_eager():
     g.play(3, _wrong_rtt, step=step)
     g.canary.flush()
     assert key(g.records) == key(eager_records)
+    # the request verdicts (docs/format.md §5.7) reset and fill inside the replayed graphs as in eager steps
+    from tests.test_verdicts import failed_by_step
+    assert failed_by_step(g.records) == failed_by_step(eager_records) and 1 in failed_by_step(eager_records)[3]
     eb, gb = buffers(eager.canary), buffers(g.canary)
     for name in eb:
         np.testing.assert_array_equal(eb[name], gb[name], err_msg=str(name))
