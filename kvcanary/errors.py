@@ -86,8 +86,10 @@ class CorruptedKvError(KvCanaryError, RuntimeError):
     (or wrote) KV that failed the canary's checks (``failed``: its :class:`~kvcanary.verdicts.FailedRequest`)."""
 
     def __init__(self, request_id, failed):
+        shown = list(failed.slots[:8])
+        more = f" (+{len(failed.slots) - 8} more)" if len(failed.slots) > 8 else ""
         super().__init__(f"kv-canary: request {request_id!r} read KV cache entries that failed the canary's checks "
-                         f"in step {failed.step} ({failed.reason_text} at slots {list(failed.slots)}); it was "
+                         f"in step {failed.step} ({failed.reason_text} at slots {shown}{more}); it was "
                          f"ended there, without that step's token, and its KV blocks are kept out of prefix reuse. "
                          f"Retry the request (it recomputes its prefix); the canary log names the corrupted entries")
         self.request_id, self.failed = request_id, failed

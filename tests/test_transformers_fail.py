@@ -143,3 +143,15 @@ def test_an_engine_without_what_fail_request_needs_is_refused_naming_it(path):
         e = NS(**{k: v for k, v in vars(e).items()})
     with pytest.raises(ValidationError, match=rf"mode='fail_request' needs the batch processor's {path}"):
         check_engine(e)
+
+
+def test_the_error_names_at_most_eight_slots_and_how_many_more():
+    err = CorruptedKvError("r", failed(4, 0, range(1, 21)))
+    assert "slots [1, 2, 3, 4, 5, 6, 7, 8] (+12 more)" in str(err) and "in step 4" in str(err)
+
+
+def test_noted_steps_the_engine_never_updates_do_not_pile_up():
+    f = RequestFailer(page_size=16)
+    for step in range(200):
+        f.noted(step, ["a"], None)
+    assert len(f.steps) == 64 and min(f.steps) == 136

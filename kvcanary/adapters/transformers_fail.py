@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from ..errors import CorruptedKvError, ValidationError
 
+KEEP_STEPS = 64  # noted steps awaiting their update: async batching keeps 2
 FINISHED_STATUS = 3  # transformers' RequestStatus.FINISHED (FAILED is 4): a request at or past it has ended
 _FIX = "fix: use transformers 5.18-5.24, or mode='log'"
 
@@ -66,6 +67,8 @@ class RequestFailer:
             event = torch.cuda.Event()
             event.record(stream)
         self.steps[step] = (request_ids, event)
+        while len(self.steps) > KEEP_STEPS:  # steps the engine never updated (none expected): the oldest go
+            del self.steps[min(self.steps)]
 
     def update(self, processor, canary, out):
         """``prepare_batch_update``'s (requests, tokens, logprobs) with failed requests failed and dropped."""
