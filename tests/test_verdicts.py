@@ -34,24 +34,25 @@ def _flip_shared_kv(sess, arrays):
     sess.sync_pools()
 
 
-def test_one_request_among_many_fails_alone_with_its_slot():
-    s = Session()
-    s.play(corrupt_at=3, corrupt=_flip_b_cached_kv)
+def played(corrupt, **kw) -> tuple[Session, dict]:
+    """The scripted session with ``corrupt`` applied at step 3, flushed: (session, failed_by_step)."""
+    s = Session(**kw)
+    s.play(corrupt_at=3, corrupt=corrupt)
     s.canary.flush()
-    got = failed_by_step(s.records)
-    slot = s.flipped
-    # B reads its cached position 2 in step 3 and every later step it runs in: TAIL's real-KV check
-    assert got[3] == {1: ("verify_real_kv_hash", (slot,))}
-    assert set(got) == {3, 4, 5, 6} and all(set(v) == {0} if k >= 4 else True for k, v in got.items())
+    return s, failed_by_step(s.records)
+
+
+def test_one_request_among_many_fails_alone_with_its_slot():
+    s, got = played(_flip_b_cached_kv)
+    # B reads its cached position 2 in step 3 and every later step it runs in: TAIL's real-KV check.
+    # Step 3's batch is A, B, C (B index 1); from step 4 (A finished) it is B, C, D (B index 0)
+    assert got == {3: {1: ("verify_real_kv_hash", (s.flipped,))},
+                   **{k: {0: ("verify_real_kv_hash", (s.flipped,))} for k in (4, 5, 6)}}
 
 
 def test_two_requests_sharing_a_corrupted_block_both_fail():
-    s = Session()
-    s.play(corrupt_at=3, corrupt=_flip_shared_kv)
-    s.canary.flush()
-    got = failed_by_step(s.records)
-    slot = s.flipped
-    assert got[3] == {0: ("verify_real_kv_hash", (slot,)), 2: ("verify_real_kv_hash", (slot,))}
+    s, got = played(_flip_shared_kv)
+    assert got[3] == {0: ("verify_real_kv_hash", (s.flipped,)), 2: ("verify_real_kv_hash", (s.flipped,))}
 
 
 def test_a_fault_no_request_reads_this_step_fails_none_until_one_reads_it():
