@@ -45,6 +45,8 @@ COL_FAIL_REASON_BITS = 7
 DEFAULT_RING_CAPACITY = 4096
 
 MAX_REAL_KV_SOURCES = 64
+WORD_BYTES = 8               # an int64 word: a record field, a ring column, a status cell, a plan entry
+WARP_SIZE = 32               # threads of a warp (the kernels' warp tiles; CUDA's, on every supported arch)
 
 # Launch shapes the kernels are written for (ops launches exactly these; the kernels size shared
 # memory and split warps by them).

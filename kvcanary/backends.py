@@ -20,6 +20,9 @@ from .records import host_slots
 from .state import checked
 
 
+SWEEP_ROWS = ("slot", "expected_position", "prev_slot", "expected_token")  # a sweep plan's entry arrays, staged
+
+
 class HostBackend:
     """State in host memory; launches run synchronously on the CPU reference."""
 
@@ -127,8 +130,8 @@ class CudaBackend:
         """``n`` int64 status cells from ``start``, no copy (int32: the low half of each cell, which
         is what an int32 [1] array at its address reads; only n = 1 then)."""
         if np.dtype(dtype) == np.int32:
-            return from_pointer(status.ptr + 8 * start, (1,), np.int32, device=self.device, owner=status)
-        return from_pointer(status.ptr + 8 * start, (n,), np.int64, device=self.device, owner=status)
+            return from_pointer(status.ptr + abi.WORD_BYTES * start, (1,), np.int32, device=self.device, owner=status)
+        return from_pointer(status.ptr + abi.WORD_BYTES * start, (n,), np.int64, device=self.device, owner=status)
 
     def stream(self, stream, batch) -> int:
         if type(stream) is int:
@@ -170,7 +173,7 @@ class CudaBackend:
     def set_consumed(self, status, value: int, stream: int) -> None:
         """The host's consumed mark into the status cell, in stream order: two 32-bit memsets that
         carry their values (no host buffer that must outlive the call)."""
-        d, ptr = driver._driver(), status.ptr + 8 * abi.STATUS_CONSUMED
+        d, ptr = driver._driver(), status.ptr + abi.WORD_BYTES * abi.STATUS_CONSUMED
         s = driver.PER_THREAD_STREAM if stream is None else stream  # any order is safe: the mark only grows
         for k, word in enumerate((value & abi.INT32_MASK, (value >> 32) & abi.INT32_MASK)):
             driver.check(self.rt.call(d.cuMemsetD32Async, ptr + 4 * k, word, 1, self.rt.cu_stream(s)),
@@ -191,7 +194,8 @@ class CudaBackend:
         p = abi.RecordsParams()
         ctx.sink.pack_ring(p, ctx.tag)
         p.kernel_run_counter = p.slot_run_counter = p.skip_counter = 0  # no launch of a verify context
-        p.canary, p.slot_stride_words, p.num_slots = bufs[0].view.ptr, bufs[0].slot_stride // 8, bufs[0].num_slots
+        p.canary, p.num_slots = bufs[0].view.ptr, bufs[0].num_slots
+        p.slot_stride_words = bufs[0].slot_stride // abi.WORD_BYTES
         p.canary1, p.canary2, p.canary3 = (bufs[k].view.ptr if k < len(bufs) else 0 for k in (1, 2, 3))
         p.slots, p.n, p.records = slots.ptr, slots.shape[0], records.ptr
         p.num_buffers, p.import_records = len(bufs), int(to_buffers)
@@ -202,20 +206,21 @@ class CudaBackend:
     def stage_sweep(self, plan, host: dict, n: int, stream: int) -> None:
         """Upload a host sweep plan through pinned memory on ``stream`` (the previous upload has
         left the staging buffer before it is refilled)."""
-        cap = plan.verify_capacity
+        cap, word, flags = plan.verify_capacity, abi.WORD_BYTES, len(SWEEP_ROWS)  # the flags' row follows the entries'
         if self._sweep_staging is None:
-            self._sweep_staging = memory.PinnedBuffer((5, cap), np.int64, self.device)
+            self._sweep_staging = memory.PinnedBuffer((flags + 1, cap), np.int64, self.device)
             self._sweep_done = memory.Event(self.device)
             self._sweep_done.record(stream)
         self._sweep_done.synchronize()
         st = self._sweep_staging.array
-        for row, k in enumerate(("slot", "expected_position", "prev_slot", "expected_token")):
+        for row, k in enumerate(SWEEP_ROWS):
             st[row, :n] = host[k]
-            memory.copy_async(getattr(plan, k).ptr, self._sweep_staging.ptr + row * 8 * cap, 8 * n, stream, self.device)
-        st[4, 0], st[4, 1] = n, 1  # little-endian: the low int32 of each cell is the value
-        cells = self._sweep_staging.ptr + 4 * cap * 8
-        memory.copy_async(plan.num_valid.ptr, cells, 4, stream, self.device)
-        memory.copy_async(plan.enable.ptr, cells + 8, 4, stream, self.device)
+            memory.copy_async(getattr(plan, k).ptr, self._sweep_staging.ptr + row * word * cap, word * n, stream,
+                              self.device)
+        st[flags, 0], st[flags, 1] = n, 1  # little-endian: the low int32 of each cell is the value
+        cells, int32 = self._sweep_staging.ptr + flags * cap * word, np.dtype(np.int32).itemsize
+        memory.copy_async(plan.num_valid.ptr, cells, int32, stream, self.device)
+        memory.copy_async(plan.enable.ptr, cells + word, int32, stream, self.device)
         self._sweep_done.record(stream)
 
 

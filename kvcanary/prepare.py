@@ -27,7 +27,7 @@ BLOCK = abi.BLOCK_THREADS
 
 def _block_entries(block: int, lane_entries: int) -> int:
     """Entries a block of warp tiles verifies per round (a tile re-holds its predecessor entry)."""
-    return (32 * lane_entries - 1) * (block // 32)
+    return (abi.WARP_SIZE * lane_entries - 1) * (block // abi.WARP_SIZE)
 
 
 def _verify_shape(rt, name: str, capacity: int, hash_bytes: tuple[int, ...]) -> tuple[str, int, int]:
@@ -166,14 +166,14 @@ def _fill_batch(p, v: dict, batch: Batch, plan: StepPlan, swa_window: int, swa_m
     p.batch_size = v["req_pool_indices"].shape[0]
     rtt = v["req_to_token"]
     p.req_to_token, p.rtt_rows, p.rtt_max_len = rtt.ptr, rtt.shape[0], rtt.shape[1]
-    p.rtt_row_stride = rtt.strides[0] // 4
+    p.rtt_row_stride = rtt.strides[0] // rtt.itemsize
     p.swa_window = swa_window
     if "swa_map" in v:
         p.swa_map, p.swa_map_len = v["swa_map"].ptr, v["swa_map"].shape[0]
     if "expected_pool" in v:
         pool = v["expected_pool"]
         p.expected_pool, p.expected_pool_len = pool.ptr, pool.shape[1]
-        p.expected_row_stride = pool.strides[0] // 8
+        p.expected_row_stride = pool.strides[0] // pool.itemsize
         p.expected_valid_lens = v["expected_valid_lens"].ptr if "expected_valid_lens" in v else 0
         p.expected_token_offset = batch.expected_token_offset
     p.entry_offsets = plan.entry_offsets_view().ptr

@@ -118,13 +118,13 @@ class Pump:
         self.ring_pinned = memory.PinnedBuffer((ring_capacity, abi.RING_COLS), np.int64, device)
         self.requests_pinned = None  # allocated on the first read of row requests
         self.ring_side = memory.new_stream(device)  # idle but for ring reads: never waits on steps
-        block = min(_SNAPSHOT_BLOCK, 32 * -(-self.n // 32))
+        block = min(_SNAPSHOT_BLOCK, abi.WARP_SIZE * -(-self.n // abi.WARP_SIZE))
         self.slot_launches = []  # one prepacked launch per slot; its ticket set per use
         for slot in range(self.DEPTH):
             p = abi.SnapshotParams()
             p.status, p.n = status.ptr, self.n
-            p.payload = self.pinned.device_ptr + 8 * self.n * slot
-            p.done = self.done.device_ptr + 8 * slot
+            p.payload = self.pinned.device_ptr + abi.WORD_BYTES * self.n * slot
+            p.done = self.done.device_ptr + abi.WORD_BYTES * slot
             p.head = self.head
             self.slot_launches.append(Launch(rt, "kvc_snapshot", 1, block, p, driver.PER_THREAD_STREAM,
                                                     (status, self.pinned, self.done)))
@@ -170,7 +170,7 @@ class Pump:
         copy, on a stream of its own: not for the steps enqueued since."""
         if stop <= start:
             return np.zeros((0, abi.RING_COLS), np.int64)
-        row = 8 * abi.RING_COLS
+        row = abi.WORD_BYTES * abi.RING_COLS
         memory.copy_async(self.ring_pinned.ptr + start * row, self.ring.ptr + start * row,
                           (stop - start) * row, self.ring_side, self.device)
         memory.stream_synchronize(self.ring_side, self.device)
@@ -182,7 +182,8 @@ class Pump:
             return np.full(max(stop - start, 0), abi.NO_REQUEST, np.int64)
         if self.requests_pinned is None:
             self.requests_pinned = memory.PinnedBuffer((self.capacity,), np.int64, self.device)
-        memory.copy_async(self.requests_pinned.ptr + 8 * start, self.ring_requests.ptr + 8 * start,
-                          8 * (stop - start), self.ring_side, self.device)
+        word = abi.WORD_BYTES
+        memory.copy_async(self.requests_pinned.ptr + word * start, self.ring_requests.ptr + word * start,
+                          word * (stop - start), self.ring_side, self.device)
         memory.stream_synchronize(self.ring_side, self.device)
         return self.requests_pinned.array[start:stop].copy()

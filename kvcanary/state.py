@@ -280,7 +280,7 @@ class VerifyContext:
     def _pack_common(self) -> bytes:
         p = abi.VerifyParams()
         p.canary = self.buffer.view.ptr
-        p.slot_stride_words = self.buffer.slot_stride // 8
+        p.slot_stride_words = self.buffer.slot_stride // abi.WORD_BYTES
         p.num_slots = self.buffer.num_slots
         self.sink.pack_ring(p, self.tag)
         p.num_sources = len(self.marshalled)
