@@ -59,6 +59,24 @@ class RequestFailer:
         self.poisoned: dict[str, set] = {}              # allocator name -> blocks kept out of prefix reuse
         self.failed: list[dict] = []
 
+    def hook(self, processor, canary, patch) -> None:
+        """Wrap the processor's ``prepare_batch_update`` (fails and drops failed requests; ``canary()``
+        gives the canary) and its cache's ``mark_complete_blocks`` (:meth:`guard`), through
+        ``patch(obj, name, fn)``."""
+        io, cache = processor.inputs_and_outputs, processor.cache
+        update, mark = io.prepare_batch_update, cache.mark_complete_blocks
+
+        def prepare_batch_update(*args, **kwargs):
+            return self.update(processor, canary(), update(*args, **kwargs))
+
+        def mark_complete_blocks(*args, **kwargs):
+            out = mark(*args, **kwargs)
+            if self.poisoned:
+                self.guard(cache)
+            return out
+        patch(io, "prepare_batch_update", prepare_batch_update)
+        patch(cache, "mark_complete_blocks", mark_complete_blocks)
+
     def noted(self, step: int, request_ids: list, stream) -> None:
         """Step ``step`` of the canary ran on these requests (after its TAIL, on ``stream``)."""
         event = None

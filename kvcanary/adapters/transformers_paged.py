@@ -1,31 +1,23 @@
 """Hugging Face ``transformers`` continuous batching (``generate_batch``, paged KV cache) with the canary on.
 
 :class:`TransformersCanary` attaches a :class:`~kvcanary.KvCanary` to a model that generates with
-``generate_batch`` / ``init_continuous_batching`` (``attn_implementation="sdpa"``, ``"paged|eager"``
-or a flash implementation), without editing transformers. Supported: transformers
-:data:`~.transformers_layout.SUPPORTED_TRANSFORMERS` (anything else raises a ``kv-canary:`` error
-naming the range). It patches instances only, at runtime:
+``generate_batch`` / ``init_continuous_batching`` (transformers
+:data:`~.transformers_layout.SUPPORTED_TRANSFORMERS`; any other release raises a ``kv-canary:``
+error naming the range), patching instances only, at runtime:
 
-- ``model.init_continuous_batching``: the returned manager gets a wrapped ``_create_batch_processor``;
-  its configuration is never changed (CPU offloading, which moves KV blocks without their canary
-  records, is refused with a ``kv-canary:`` error);
-- the new batch processor: ``inputs_and_outputs.prepare_batch_tensors`` is wrapped to note each
-  scheduled request's past and query lengths and expected tokens (prompt + generated tokens, from
-  the request state); ``model_runner.compute_batch`` is wrapped to run the HEAD stage before the
-  forward (or the CUDA graph's replay) and the TAIL stage after it, on the engine's compute stream;
-  ``model_runner.warmup`` is wrapped so that the warm-up's made-up requests are not checked.
+- ``model.init_continuous_batching``: the manager gets a wrapped ``_create_batch_processor``; its
+  configuration is never changed (CPU offloading, which moves blocks without their records, is refused);
+- the batch processor: ``prepare_batch_tensors`` notes each scheduled request's lengths and expected
+  tokens; ``compute_batch`` runs HEAD before the forward (or the graph replay) and TAIL after it, on
+  the engine's compute stream; ``warmup``'s made-up requests are not checked; in
+  ``mode="fail_request"``, the step's update fails the requests the canary failed (:mod:`.transformers_fail`).
 
-The engine's fast settings stay on: CUDA graphs (the canary runs around the replay), async
-batching (its carried-over tokens are staged from the same buffers the forward takes them from),
-the decode fast path (slots from its block table), torch.compile and the static-shape padding
-that graphs and compile add (padding tokens are skipped).
-
-The engine's cache, block pool and scheduling are left whole: canary slots are the cache's own
-token positions (:class:`~.transformers_layout.PagedLayout`), so the canary changes neither which
-blocks requests get nor what is generated. It reads what the attention reads
-(:mod:`.transformers_batch`); only the expected tokens come from the host. Supported: models whose
-layers all use full attention, one generation at a time; forks (``num_return_sequences > 1``)
-copy KV blocks without their canary records and are refused.
+CUDA graphs, async batching, the decode fast path, torch.compile and their padding stay on. Canary
+slots are the cache's own token positions (:class:`~.transformers_layout.PagedLayout`): the block
+pool, the schedule and the tokens are those of a run without the canary; the canary reads what the
+attention reads (:mod:`.transformers_batch`), only the expected tokens come from the host.
+Supported: models whose layers all use full attention; forks (``num_return_sequences > 1``) copy
+blocks without their records and are refused.
 """
 
 from __future__ import annotations
@@ -55,23 +47,16 @@ def _installed_transformers() -> str:
 class TransformersCanary:
     """Canary for ``model.generate_batch``/``init_continuous_batching`` of a transformers model.
 
-    ``layers`` picks the layers whose K and V bytes are fingerprinted (None/"first", "all", list).
-    ``mode``: what a detection does (README, "What happens on a detection"): "log" (default) reports
-    it, "raise" stops the generation, "fail_request" reports it and ends only the request that read
-    the corrupted KV, with status FAILED and a :class:`~kvcanary.CorruptedKvError`, keeping its
-    blocks out of prefix reuse (:mod:`.transformers_fail`; :attr:`failed_requests` lists them).
-    ``check_inputs`` compares the model's input tokens and positions with the request state (a
-    wrong input token is a WRITE_TOKEN row). ``before_step(info)`` / ``after_step(info)`` are
-    optional callbacks around each forward (observability, fault injection in tests).
-    ``stage_on_device`` (default True): on a CUDA cache each step's Batch is staged in one launch
-    (:class:`~.stage.PagedBatchStager`, the same values) instead of about 30 torch ops; False
-    builds it with torch ops (the reference path, and the one a CPU cache always takes). Other
-    keyword arguments go to :class:`KvCanary` (``verify_capacity``, ``ring_capacity``, ...).
-    Counters: :attr:`steps`, :attr:`requests` (ids seen), :attr:`detections` (violation records,
-    each with the step it happened in), :attr:`host_seconds` (the canary's host time by part:
-    building a session's canary, the per-step notes, Batch, HEAD and TAIL, and the final flush),
-    :meth:`summary`. Raises a ``kv-canary:`` error at
-    construction when the installed transformers is outside the supported range.
+    ``layers``: the layers whose K and V bytes are fingerprinted (None/"first", "all", list).
+    ``mode``: "log" (default), "raise", or "fail_request": end only the request that read corrupted
+    KV (status FAILED, a :class:`~kvcanary.CorruptedKvError`) and keep its blocks out of prefix
+    reuse (:attr:`failed_requests`; README, "What happens on a detection"). ``check_inputs``:
+    compare the input tokens and positions with the request state (WRITE_TOKEN rows).
+    ``before_step(info)`` / ``after_step(info)``: callbacks around each forward. ``stage_on_device``
+    (default True): stage a CUDA cache's step in one launch (:class:`~.stage.PagedBatchStager`)
+    instead of about 30 torch ops. Other keyword arguments go to :class:`KvCanary`. Counters:
+    :attr:`steps`, :attr:`requests`, :attr:`detections` (violation records with their step),
+    :attr:`host_seconds` (host time by part), :meth:`summary`.
     """
 
     def __init__(self, model, *, layers=None, hash_mode: str = "partial", mode: str = "log",
@@ -94,9 +79,8 @@ class TransformersCanary:
         self.stage_on_device, self.kvcanary_kwargs = stage_on_device, kvcanary_kwargs
         self.canary: KvCanary | None = None
         self.cache = self.layout = None
-        self.steps = 0
+        self.steps, self.prefix_shared_tokens = 0, 0  # the latter: cached tokens of requests admitted with past > 0
         self.requests: set = set()
-        self.prefix_shared_tokens = 0     # cached tokens of requests first scheduled with past > 0
         self.detections: list[dict] = []
         self.step_log: list[dict] = []
         self._patched: list = []          # (object, attribute name) of every instance patch
@@ -105,9 +89,7 @@ class TransformersCanary:
         self._pending = Scheduled()
         self._batches: StepBatches | None = None
         self._failer: RequestFailer | None = None  # mode="fail_request": the session's request failer
-        # host seconds the canary spent: building a session's canary; per step, the notes taken after
-        # prepare_batch_tensors, the step's Batch (staging, expected tokens), HEAD and TAIL (callbacks
-        # excluded); and flushing it
+        # host seconds: a session's set-up; per step the notes, the Batch, HEAD, TAIL (callbacks excluded); flush
         self.host_seconds = dict.fromkeys(("attach", "notes", "batch", "head", "tail", "finish"), 0.0)
 
     # ---- attach / detach ---------------------------------------------------------------------------
@@ -223,30 +205,13 @@ class TransformersCanary:
         self._patch(io, "prepare_batch_tensors", prepare_batch_tensors)
         self._patch(runner, "compute_batch", compute_batch)
         self._patch(runner, "warmup", warm_up)
-        if self._failer is not None:
-            self._hook_failer(processor, io, cache)
+        if self._failer is not None:  # the engine's update fails the requests the canary failed
+            self._failer.hook(processor, lambda: self.canary, self._patch)
         self.host_seconds["attach"] += perf_counter() - t0
-
-    def _hook_failer(self, processor, io, cache) -> None:
-        """mode="fail_request": the engine's update of each step drops (and fails) the requests the
-        canary failed; a completed block's hash is never registered again for a block they held."""
-        failer, update, mark = self._failer, io.prepare_batch_update, cache.mark_complete_blocks
-
-        def prepare_batch_update(*args, **kwargs):
-            return failer.update(processor, self.canary, update(*args, **kwargs))
-
-        def mark_complete_blocks(*args, **kwargs):
-            out = mark(*args, **kwargs)
-            if failer.poisoned:
-                failer.guard(cache)
-            return out
-        self._patch(io, "prepare_batch_update", prepare_batch_update)
-        self._patch(cache, "mark_complete_blocks", mark_complete_blocks)
 
     @property
     def failed_requests(self) -> list[dict]:
-        """mode="fail_request": each request ended for reading corrupted KV (request id, step, reasons,
-        the slots its rows name, the blocks kept out of prefix reuse, and whether it was still running)."""
+        """mode="fail_request": the requests ended for corrupted KV (:attr:`.RequestFailer.failed`)."""
         return [] if self._failer is None else list(self._failer.failed)
 
     # ---- per step ----------------------------------------------------------------------------------
@@ -301,8 +266,7 @@ class TransformersCanary:
         if self.after_step is not None:  # callbacks see the Batch as torch tensors (a staged one's twin)
             info.batch = batch if self._batches.stager is None else self._batches.as_torch(batch)
             self.after_step(info)
-        self.step_log.append({"step": self.steps, "requests": len(pending.requests),
-                              "new_tokens": len(pending.ids),
+        self.step_log.append({"step": self.steps, "requests": len(pending.requests), "new_tokens": len(pending.ids),
                               "cached_tokens": sum(past for _, past, _ in pending.requests)})
         self.steps += 1
 
