@@ -23,7 +23,7 @@ def resolved(view: ArrayView) -> ArrayView:
     """``view`` with an unknown CUDA ordinal (-1, e.g. a bare CAI producer) asked of the driver."""
     if view.device != -1:
         return view
-    from .driver import pointer_device  # here: validation never imports the driver (STYLE.md 7), only asks it
+    from .driver import pointer_device  # imported here: validation never imports the driver at module level
     return replace(view, device=pointer_device(view.ptr))
 
 

@@ -1,6 +1,6 @@
 """Host time per eager step of perf/test_host_path.py's workloads, on the CPU, launches as no-ops.
 
-No GPU: kvcanary's driver layer runs on tests/fake_cuda.py ("device memory" is host memory) and
+No GPU: kvcanary's driver layer runs on tests/support/fake_cuda.py ("device memory" is host memory) and
 ``cuLaunchKernelEx`` returns at once, so what is timed is kvcanary's own Python per step plus the
 adapters' torch ops (CPU torch here: cheaper than CUDA torch ops, whose host cost is the launch).
 CPU torch tensors stand in for CUDA ones: their views say device 0 (``--emulate`` instead runs
@@ -29,7 +29,7 @@ PREBUILT = 32
 def install():
     """The fake driver (no-op launches) and CPU torch tensors seen as cuda:0 arrays."""
     import pytest
-    from tests import fake_cuda
+    from tests.support import fake_cuda
     from kvcanary import arrays
     mp = pytest.MonkeyPatch()
     fake = fake_cuda.install(mp)
@@ -228,7 +228,7 @@ def main(argv=None) -> None:
             n = canary.launch_count - n0 if canary is not None else 3
             print(f"{name:70s} {us:8.1f} us/step  ({n} launches, {torch_ops(step)} torch ops)", flush=True)
     finally:
-        from tests import fake_cuda
+        from tests.support import fake_cuda
         fake_cuda.release(fake)
         mp.undo()
 

@@ -2,7 +2,7 @@
 cleanly without one (the exception cuInit raises without libcuda is caught, never propagated).
 Without a device, gpu tests also marked ``emulated`` run instead on the CPU: their kernels, the
 real kernels_src/ built with the host C++ compiler, in the emulator of tests/emu behind the fake
-driver of tests/fake_cuda.py (they skip only when there is no host compiler either)."""
+driver of tests/support/fake_cuda.py (they skip only when there is no host compiler either)."""
 
 from __future__ import annotations
 
@@ -39,13 +39,24 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=f"gpu tier: {reason}"))
 
 
+@pytest.fixture
+def fake(monkeypatch):
+    """The fake CUDA driver of tests/support/fake_cuda.py (launches queued per stream, no kernel
+    runs), released after the test."""
+    from tests.support import fake_cuda
+    f = fake_cuda.install(monkeypatch)
+    yield f
+    fake_cuda.release(f)
+
+
 @pytest.fixture(autouse=True)
 def emulated_device(request, monkeypatch):
     """The fake driver with the emulated kernels, for an emulated test (None otherwise)."""
     if not emulated(request.node):
         yield None
         return
-    from tests import emu, fake_cuda
+    from tests import emu
+    from tests.support import fake_cuda
     fake = fake_cuda.install(monkeypatch)
     fake.kernels, fake.immediate = emu.Kernels(), True  # launches run in program order
     try:

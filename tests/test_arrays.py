@@ -108,7 +108,7 @@ def test_dlpack_producer_keeps_data_alive(versioned):
     expect = a.copy()
     producer = Producer(a)
     if not versioned:                       # a producer that predates max_version: TypeError
-        producer.__dlpack__ = lambda: a.__dlpack__()
+        producer.__dlpack__ = lambda: a.__dlpack__()  # noqa: F821 (the cell, emptied by del a below: holds nothing)
     v = as_view(producer, name="a")
     assert (v.ptr, v.shape, v.strides) == (addr(a), (4, 3), (40, 8))
     assert v.dtype == np.int32 and v.device is None and not v.readonly

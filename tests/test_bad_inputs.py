@@ -13,7 +13,7 @@ does it on host numpy arrays, and the outcome the contract gives it:
 
 No row may end in anything else: a raw TypeError, AttributeError, KeyError, ZeroDivisionError,
 IndexError, MemoryError or OSError from deep inside is the bug this table exists to catch. The
-shared fixtures are in tests/bad_inputs.py; the command line's rows are at the end of this file.
+shared fixtures are in tests/support/bad_inputs.py; the command line's rows are at the end of this file.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 
 from kvcanary.errors import CanaryViolationError, ValidationError, ValidationTypeError
-from tests import bad_inputs_engines  # noqa: F401  (adds its rows to ROWS)
-from tests.bad_inputs import ERR, OK, ROWS, TYPE, Report
+from tests.support import bad_inputs_engines  # noqa: F401  (adds its rows to ROWS)
+from tests.support.bad_inputs import ERR, OK, ROWS, TYPE, Report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -74,7 +74,7 @@ def test_the_table_covers_every_outcome_and_entry_point():
 
 def test_named_messages_say_which_argument():
     """The message names the argument the caller wrote, not a helper's (issue 11's examples)."""
-    from tests.bad_inputs import canary, pages_pool
+    from tests.support.bad_inputs import canary, pages_pool
     import kvcanary as kc
     with pytest.raises(ValidationError, match=r"^kv-canary: sweep_capacity must be .* got 0 "):
         canary(sweep_capacity=0)

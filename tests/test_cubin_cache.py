@@ -136,7 +136,7 @@ def test_archs_older_than_sm80_are_refused_in_one_line(monkeypatch):
 def test_a_gpu_older_than_sm80_is_refused_in_one_line_before_any_context(monkeypatch):
     """Catches an sm_75 device (a T4) reaching the compile of its arch at the first launch."""
     from kvcanary import driver
-    from tests import fake_cuda
+    from tests.support import fake_cuda
     fake = fake_cuda.install(monkeypatch)
     attrs = fake_cuda.real.CUdevice_attribute
     capability = {attrs.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: 7,

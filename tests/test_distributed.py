@@ -1,5 +1,5 @@
 """TensorParallelAggregator on the CPU: 3 spawned ranks in a gloo process group, each running its
-own KvCanary on the reference backend (tests/session.py's engine over host numpy pools).
+own KvCanary on the reference backend (tests/support/session.py's engine over host numpy pools).
 
 One spawn runs every scenario (each in a gloo group of its own, so a failing scenario cannot
 block the next); the tests below assert on what each rank wrote. Expected values come from the
@@ -49,7 +49,7 @@ def _session_run(rank, group, *, device=None, fault_rank=None, corrupt=None, fau
     ``device``: None (reference backend) or the rank's CUDA device."""
     from kvcanary.distributed import TensorParallelAggregator
     from kvcanary.errors import CanaryViolationError
-    from tests.session import Session
+    from tests.support.session import Session
     sess = Session(device)
     aggregated = []
     agg = TensorParallelAggregator(sess.canary, group, export=aggregated.append, **agg_kw)
@@ -86,7 +86,7 @@ def _stopped_run(rank, group, *, device=None, stop_rank=2, health_rank=1):
     health check fails from exchange 8 on. Returns the unhealthy ranks seen after each exchange."""
     from kvcanary.distributed import TensorParallelAggregator
     from kvcanary.errors import KvCanaryError
-    from tests.session import Session
+    from tests.support.session import Session
     sess = Session(device)
     agg = TensorParallelAggregator(sess.canary, group, stale_steps=2)
     seen = []
@@ -110,7 +110,7 @@ def _stopped_run(rank, group, *, device=None, stop_rank=2, health_rank=1):
 def _cost_run(rank, group, lag, steps=100, step_s=0.002):
     """Host time of exchange() per step, each after a 2 ms stand-in for the forward."""
     from kvcanary.distributed import TensorParallelAggregator
-    from tests.session import Session
+    from tests.support.session import Session
     agg = TensorParallelAggregator(Session().canary, group, lag=lag)
     times = []
     for _ in range(steps):
@@ -265,7 +265,7 @@ def test_importing_kvcanary_and_the_module_does_not_import_torch():
 def test_violation_rows_round_trip_the_source_ranks_records():
     from kvcanary import abi
     from kvcanary.distributed import RankViolation, pack_row
-    from tests.session import Session
+    from tests.support.session import Session
     records = [r for r in Session().script(3, _wrong_rtt) if r["type"] == "violation"]
     assert records and any(int(r["stored_chain_hash"], 16) >> 63 for r in records)  # hashes above 2^63
     for r in records:
@@ -281,7 +281,7 @@ def test_construction_errors_say_what_was_expected_and_how_to_fix_it():
     pytest.importorskip("torch.distributed")
     from kvcanary.distributed import TensorParallelAggregator
     from kvcanary.errors import ValidationError
-    from tests.session import Session
+    from tests.support.session import Session
     with pytest.raises(ValidationError, match=r"^kv-canary: .*mode 'log', got mode 'raise'.*Fix: "):
         TensorParallelAggregator(Session(mode="raise").canary)
     canary = Session().canary

@@ -1,7 +1,7 @@
 """The fail-closed hook of the SGLang and vLLM adapters (kvcanary.adapters.failures) on duck-typed
 batch objects shaped like theirs: a failed batch index becomes the engine's request (SGLang's
 ``ScheduleBatch.reqs[i]``, its ``rid``; vLLM's ``InputBatch.req_ids[i]``) with the blocks to
-evict, for the step the canary ran. The failure comes from a real host canary (tests/session.py):
+evict, for the step the canary ran. The failure comes from a real host canary (tests/support/session.py):
 request B (batch index 1 of step 3) reads a corrupted KV byte."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 from kvcanary import CorruptedKvError, ValidationError, ValidationTypeError
 from kvcanary.adapters import FailedRequests, sglang_request_ids, vllm_request_ids
-from tests.session import Session
+from tests.support.session import Session
 from tests.test_verdicts import _flip_b_cached_kv
 
 ROW_IDS = {1: "req-A", 2: "req-B", 3: "req-C"}  # the session's request-pool rows, as an engine names them

@@ -12,7 +12,7 @@ import pytest
 
 import kvcanary as kc
 from kvcanary import reference_plan
-from tests.session import Session
+from tests.support.session import Session
 
 PREFILL = 40
 

@@ -3,11 +3,11 @@
 Every array a kernel reads or writes (batch, req_to_token, SWA map, expected pool and lengths,
 plan arrays, entry offsets, write plan, token arrays, canary buffer, ring, counters, real-KV
 sources) lies in memory of its own whose end touches a PROT_NONE page, or, in the other placement
-hypothesis draws, whose start follows one (tests/guarded.py says what that cannot catch). Each
+hypothesis draws, whose start follows one (tests/support/guarded.py says what that cannot catch). Each
 example runs in a forked child: an out-of-bounds access fails the test as "out-of-bounds access
 in <kernel>" with the example, never pytest. Oracle, in every example: no fault, and wherever the
 reference defines the outcome, byte equality with kvcanary.reference / reference_plan (called
-directly: tests/fuzz_model.py) of every plan array, the canary buffer, the counters, the write
+directly: tests/support/fuzz_model.py) of every plan array, the canary buffer, the counters, the write
 index or claim, the skip counter and the ring rows (as a multiset). Where it does not (entry
 offsets that are not non-decreasing; write requests that stamp each other's slots, docs/format.md §7)
 only what must hold is checked and the kernel's result is adopted for the next launch.
@@ -32,9 +32,9 @@ from hypothesis import strategies as st
 import kvcanary as kc
 from kvcanary import abi, driver, ops, reference_plan
 from kvcanary.errors import ValidationError
-from tests import fuzz_cases as fc
-from tests import guarded
-from tests.fuzz_model import PLAN_ENTRIES, PLAN_WRITE, World, ref_expand, ref_fused, ref_verify, write_and_check
+from tests.support import fuzz_cases as fc
+from tests.support import guarded
+from tests.support.fuzz_model import PLAN_ENTRIES, PLAN_WRITE, World, ref_expand, ref_fused, ref_verify, write_and_check
 
 SCALE = float(os.environ.get("KVCANARY_FUZZ_SCALE", "1"))
 
@@ -49,7 +49,8 @@ def fuzz(examples: int):
 def emulator():
     """The fake driver with the emulated kernels, loaded once in this process (children inherit
     it); each launch first notes its kernel name for the fork's report."""
-    from tests import emu, fake_cuda
+    from tests import emu
+    from tests.support import fake_cuda
     reason = emu.unavailable_reason()
     if reason:
         pytest.skip(f"kernel fuzz suite: {reason}")

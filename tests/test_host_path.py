@@ -1,6 +1,6 @@
 """Issue 12, host path: launches packed once per array layout and replayed with each call's
 addresses (manager stages and eager ops) never skip a check that a changed layout needs, and the
-adapters' shortened torch paths give the values of the long ones. On tests/fake_cuda.py: no GPU;
+adapters' shortened torch paths give the values of the long ones. On tests/support/fake_cuda.py: no GPU;
 the launched params are read back from the fake driver's queue."""
 
 from __future__ import annotations
@@ -12,16 +12,9 @@ import pytest
 
 import kvcanary as kc
 from kvcanary import abi, arrays, memory
-from tests import fake_cuda
+from tests.support import fake_cuda
 
 D = memory.to_device
-
-
-@pytest.fixture
-def fake(monkeypatch):
-    f = fake_cuda.install(monkeypatch)
-    yield f
-    fake_cuda.release(f)
 
 
 class Cai:

@@ -17,7 +17,7 @@ import pytest
 import kvcanary as kc
 
 from kvcanary import abi, compile as kc_compile, driver, launch, manager
-from tests import fake_cuda
+from tests.support import fake_cuda
 from tests.test_pump import make_canary, step, stream
 from tests.test_abi_literals import strip_comments_and_strings
 
@@ -79,13 +79,6 @@ def test_pdl_is_wanted_where_the_cubin_waits(monkeypatch, arch, env, want):
     else:
         monkeypatch.setenv("KVCANARY_PDL", env)
     assert launch.pdl_wanted(arch) is want
-
-
-@pytest.fixture
-def fake(monkeypatch):
-    fake = fake_cuda.install(monkeypatch)
-    yield fake
-    fake_cuda.release(fake)
 
 
 @pytest.mark.parametrize("env,major,want", [(None, 9, True), ("0", 9, False), (None, 8, False)])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import kvcanary as kc
-from tests.session import SCRIPT, Session
+from tests.support.session import SCRIPT, Session
 
 
 def violations(records):

@@ -3,7 +3,7 @@ kernels), allocations made and freed in their device's context, launches that go
 owning their arrays, a kv-canary error when the arrays of one launch live on different devices,
 and canaries on several devices driven from several threads at once.
 
-:class:`MultiDeviceFake` extends tests/fake_cuda.py with N devices as the driver has them: one
+:class:`MultiDeviceFake` extends tests/support/fake_cuda.py with N devices as the driver has them: one
 primary context per device, a current-context stack per thread, allocations, streams and loaded
 libraries that belong to the context current when they were made, and launches refused unless
 their function and stream belong to the current context. Every pointer field of every launched
@@ -24,8 +24,8 @@ import kvcanary as kc
 from kvcanary import abi, driver, memory
 from kvcanary.launch import Launch
 from kvcanary.manager import KvCanary, PoolGroup
-from tests import fake_cuda
-from tests.fake_cuda import OK, real
+from tests.support import fake_cuda
+from tests.support.fake_cuda import OK, real
 
 CTX0 = 0x7000
 INVALID_HANDLE = real.CUresult.CUDA_ERROR_INVALID_HANDLE

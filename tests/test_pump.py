@@ -1,5 +1,5 @@
 """The asynchronous pump without a GPU: the host side of the snapshot FIFO over host numpy, then
-the manager's device path against tests/fake_cuda.py (launches queued per stream, ``kvc_snapshot``
+the manager's device path against tests/support/fake_cuda.py (launches queued per stream, ``kvc_snapshot``
 emulated from its params struct): one snapshot launch per step after the step's launches, FIFO
 order, skip-when-full, attribution to the right step, drain, graph capture, the cached launches."""
 
@@ -13,7 +13,7 @@ import pytest
 import kvcanary as kc
 from kvcanary import abi
 from kvcanary.pump import DEPTH, SnapshotFifo
-from tests import fake_cuda
+from tests.support import fake_cuda
 
 
 def device_write(fifo: SnapshotFifo, slot: int, values) -> None:

@@ -11,7 +11,7 @@ import pytest
 import kvcanary as kc
 from kvcanary import abi
 from kvcanary.manager import Key
-from tests.session import N, SCRIPT, Session
+from tests.support.session import N, SCRIPT, Session
 from tests.test_manager import _wrong_position, _wrong_rtt
 
 STEPS = sum(not isinstance(item, str) for item in SCRIPT)  # engine steps of the scripted session

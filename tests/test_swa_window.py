@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvcanary import FailReason
-from tests.swa_window import VARIANTS, run
+from tests.support.swa_window import VARIANTS, run
 
 
 @pytest.mark.parametrize("fused", [True, False])

@@ -10,7 +10,7 @@ import pytest
 
 import kvcanary as kc
 from kvcanary import abi
-from tests import workloads
+from tests.support import workloads
 
 torch = pytest.importorskip("torch")
 

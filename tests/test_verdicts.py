@@ -1,6 +1,6 @@
 """Per-request verdicts (docs/format.md §5.7) on the CPU reference: which request of a step's batch
 a detection fails, with its bits and the slots its rows name. Expected batch indices come from
-the scripted session (tests/session.py) by hand: which request reads the slot a test breaks."""
+the scripted session (tests/support/session.py) by hand: which request reads the slot a test breaks."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import kvcanary as kc
 from kvcanary import abi
 from kvcanary.verdicts import FailedRequest
-from tests.session import Session
+from tests.support.session import Session
 
 
 def failed_by_step(records) -> dict:

@@ -1,5 +1,5 @@
 """GPU tier, two or more devices: TensorParallelAggregator over NCCL, 2 spawned ranks, one GPU
-each (rank r on cuda:r), each with its own KvCanary on its device (tests/session.py). The same
+each (rank r on cuda:r), each with its own KvCanary on its device (tests/support/session.py). The same
 cases as tests/test_distributed.py (clean run, a fault on one rank logged and raised on every
 rank in the same exchange, a rank that stops stepping flagged everywhere), then the aggregator's
 cost per step, printed (run with -s): host time of exchange(), device time of the gather on its
@@ -35,7 +35,7 @@ def _cost_run(rank, group, *, device, steps=200):
     sync an engine does), timed without and with ``exchange()`` after it (lag 1 and 0)."""
     import torch
     from kvcanary.distributed import TensorParallelAggregator
-    from tests.session import Session
+    from tests.support.session import Session
     a = torch.randn(4096, 4096, device=f"cuda:{device}")
 
     def forward():

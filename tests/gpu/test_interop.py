@@ -8,7 +8,7 @@ import pytest
 
 import kvcanary as kc
 from kvcanary import abi, memory
-from tests import workloads
+from tests.support import workloads
 
 pytestmark = pytest.mark.gpu
 host = lambda a: a  # noqa: E731

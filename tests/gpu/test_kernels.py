@@ -10,7 +10,7 @@ import pytest
 
 import kvcanary as kc
 from kvcanary import abi, driver, memory
-from tests import workloads
+from tests.support import workloads
 
 pytestmark = [pytest.mark.gpu, pytest.mark.emulated]  # no GPU: kernels run in tests/emu
 

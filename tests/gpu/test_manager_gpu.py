@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 import kvcanary as kc
-from tests import session as sess_mod
+from tests.support import session as sess_mod
 from kvcanary import driver, memory
 from kvcanary.pump import DEPTH, Pump
-from tests import swa_window
-from tests.session import Session
+from tests.support import swa_window
+from tests.support.session import Session
 from tests.test_fingerprint_budget import BOUNDARY_CASES, budget_by_hand, reported_positions
 from tests.test_manager import _flip_kv, _wrong_position, _wrong_rtt
 

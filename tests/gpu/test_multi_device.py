@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvcanary import driver, memory
-from tests import workloads
+from tests.support import workloads
 
 pytestmark = pytest.mark.gpu
 
@@ -38,7 +38,7 @@ def test_manager_on_the_last_device_equals_reference(fault):
     """The step API, the snapshot pump (mapped pinned memory written by a kernel of that device)
     and the report path on a device other than 0."""
     from tests.gpu.test_manager_gpu import buffers, key
-    from tests.session import Session
+    from tests.support.session import Session
     from tests.test_manager import _flip_kv
     n = driver.device_count()
     if n < 2:

@@ -12,9 +12,9 @@ import pytest
 
 import kvcanary as kc
 from kvcanary import abi, memory
-from tests import workloads
+from tests.support import workloads
 from tests.gpu.test_plan import host_plan, on, random_batch, stamped_engine
-from tests.session import Session
+from tests.support.session import Session
 from tests.test_verdicts import _flip_b_cached_kv, _flip_shared_kv, failed_by_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.emulated]  # no GPU: kernels run in tests/emu

@@ -1,4 +1,4 @@
-"""More rows of tests/test_bad_inputs.py (see tests/bad_inputs.py): arrays, engine adapters, metrics
+"""More rows of tests/test_bad_inputs.py (see tests/support/bad_inputs.py): arrays, engine adapters, metrics
 and the tensor-parallel aggregator."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import kvcanary as kc
 from kvcanary.adapters import (block_table_to_req_to_token, select_layers, sglang_batch, sglang_canary, sglang_groups,
                                sglang_pool_group, sglang_sources, vllm_batch, vllm_batch_from_metadata, vllm_canary,
                                vllm_layer_layout, vllm_metadata, vllm_pool_group)
-from tests.bad_inputs import ERR, INTS, N, OK, TYPE, canary, i64, pool, row, rows, rtt
+from tests.support.bad_inputs import ERR, INTS, N, OK, TYPE, canary, i64, pool, row, rows, rtt
 
 # ---- arrays: as_view and from_pointer ----------------------------------------------------------------------
 BUF = np.zeros(256, np.uint8)  # host memory the from_pointer rows describe (kept alive by the module)

@@ -19,7 +19,7 @@ import numpy as np
 import kvcanary as kc
 from kvcanary import abi, reference, reference_plan
 from kvcanary.reference import RefSource
-from tests.guarded import Arena
+from tests.support.guarded import Arena
 
 PLAN_ENTRIES = ("slot", "expected_token", "expected_position", "prev_slot")
 PLAN_WRITE = ("offsets", "seed", "num_valid_reqs", "entry_offsets", "num_valid", "enable")
