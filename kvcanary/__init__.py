@@ -25,6 +25,7 @@ from .state import CanaryBuffer, VerifyContext, ViolationSink  # noqa: E402
 from .violations import Violation, decode_ring  # noqa: E402
 from .verdicts import FailedRequest  # noqa: E402
 from .records import CanaryRecords  # noqa: E402
+from .config import CanaryConfig  # noqa: E402
 from .manager import KvCanary, PoolGroup  # noqa: E402
 
 __all__ = [
@@ -35,5 +36,5 @@ __all__ = [
     "verify", "write", "Batch", "StepPlan", "RealKvSource", "source_from_slots",
     "sources_from_layers", "sources_from_pages", "sources_from_vllm", "CanaryBuffer",
     "VerifyContext", "ViolationSink", "Violation", "decode_ring", "COMPILED", "KvCanary", "PoolGroup",
-    "CanaryRecords", "FailedRequest", "CorruptedKvError",
+    "CanaryRecords", "FailedRequest", "CorruptedKvError", "CanaryConfig",
 ]

@@ -1,5 +1,5 @@
-"""What a :class:`~kvcanary.manager.KvCanary` is made of, checked and built once from its
-constructor's arguments: the pool groups, one verify context per :class:`Key` over the HEAD and
+"""What a :class:`~kvcanary.manager.KvCanary` is made of, built once from its pool groups and its
+:class:`~kvcanary.config.CanaryConfig`: the pool groups, one verify context per :class:`Key` over the HEAD and
 TAIL canary buffers of each group and half, the status block and the violation ring they count
 into, and one step plan per group plus the sweep's (docs/format.md §6, §8; the status layout is
 ``abi.StatusLayout``). Nothing here launches anything.
@@ -13,13 +13,14 @@ from typing import Any, NamedTuple, Sequence
 import numpy as np
 
 from . import abi, backends
+from .config import CanaryConfig
 from .errors import ValidationError, ValidationTypeError
-from .plan import MAX_BATCH_LIMIT, StepPlan
+from .plan import StepPlan
 from .reporting import Reporter
 from .selftest import SelfTest
 from .sources import RealKvSource, source_list
-from .state import RING_CAPACITY_LIMIT, CanaryBuffer, VerifyContext, ViolationSink, checked
-from .validate import INT32_MAX, boolean, device as check_device, fail, hash_mode as parse_hash_mode, instance, integer
+from .state import CanaryBuffer, VerifyContext, ViolationSink, checked
+from .validate import fail, instance, integer
 
 STAGES = ("HEAD", "TAIL")
 
@@ -73,9 +74,7 @@ class Key(NamedTuple):
 class Parts(NamedTuple):
     """A canary's checked settings and its state, as :func:`build` made them."""
 
-    hash_mode: abi.HashMode
-    check_expected_token: bool
-    fused: bool
+    config: CanaryConfig             # the settings, checked
     reporter: Reporter
     groups: dict[str, PoolGroup]     # "FULL", and "SWA" when given
     backend: Any                     # backends.HostBackend or CudaBackend
@@ -90,12 +89,10 @@ class Parts(NamedTuple):
     ring_requests: Any               # int64 [ring_capacity]: the request of each stored ring row (§5.7)
 
 
-def build(full: PoolGroup, swa: PoolGroup | None, *, device, hash_mode, mode, max_batch: int, verify_capacity: int,
-          ring_capacity: int, sweep_capacity: int, check_expected_token, chain_position_assert, fused,
-          stats_every: int, self_test_every: int, fingerprint_every: int, export) -> Parts:
-    """Check the arguments of ``KvCanary(...)`` (each error names the argument) and allocate its
-    state on ``device`` (None: host memory, the CPU reference runs the launches)."""
-    mode_hash = parse_hash_mode(hash_mode)
+def build(full: PoolGroup, swa: PoolGroup | None, config: CanaryConfig) -> Parts:
+    """Check the pool groups of ``KvCanary(full, swa)`` (each error names the argument) and allocate
+    the canary's state as ``config`` says (``config.device`` None: host memory, the CPU reference
+    runs the launches)."""
     for name, g in (("full", full), ("swa", swa)):
         if g is not None or name == "full":
             instance(f"KvCanary {name}", g, PoolGroup, "a kvcanary.PoolGroup",
@@ -108,23 +105,10 @@ def build(full: PoolGroup, swa: PoolGroup | None, *, device, hash_mode, mode, ma
                               "slots to SWA slots), got None. Fix: PoolGroup(..., window=W, full_to_swa=map)")
     if swa is not None:
         checked(swa.full_to_swa, "swa.full_to_swa", dtype=np.int64, ndim=1)
-    check_device("device", device)
-    integer("ring_capacity", ring_capacity, lo=1, hi=RING_CAPACITY_LIMIT)
-    integer("max_batch", max_batch, lo=1, hi=MAX_BATCH_LIMIT)
-    integer("verify_capacity", verify_capacity, lo=1, hi=INT32_MAX)
-    integer("sweep_capacity", sweep_capacity, lo=1, hi=INT32_MAX)
-    integer("stats_every", stats_every, lo=0)
-    integer("self_test_every", self_test_every, lo=0, hi=INT32_MAX,
-            fix="pass 0 (off) or the number of steps between self-tests, e.g. 1000")
-    integer("fingerprint_every", fingerprint_every, lo=1, hi=INT32_MAX,
-            fix="pass 1 (every cached token's KV every step) or N (a rotating 1/N per step, e.g. 8)")
-    if fingerprint_every > 1 and not fused:
-        raise ValidationError(f"kv-canary: fingerprint_every={fingerprint_every} needs the fused verify, got "
-                              f"fused=False. Fix: pass fused=True (the default), or fingerprint_every=1")
-    check_expected_token = boolean("check_expected_token", check_expected_token)
-    fused = boolean("fused", fused)
-    boolean("chain_position_assert", chain_position_assert)
-    reporter = Reporter(mode, export)
+    c = config
+    device, max_batch, ring_capacity, mode_hash = c.device, c.max_batch, c.ring_capacity, c.hash_mode
+    self_test_every, fingerprint_every = c.self_test_every, c.fingerprint_every
+    reporter = Reporter(c.mode, c.export)
     groups = {"FULL": full, **({"SWA": swa} if swa is not None else {})}
     be = backends.for_device(device)
     keys = [Key(st, g, h, op) for g, grp in groups.items() for h in grp.resolved_halves()
@@ -163,16 +147,14 @@ def build(full: PoolGroup, swa: PoolGroup | None, *, device, hash_mode, mode, ma
                                  **(dict(fingerprint_every=fingerprint_every,
                                          fingerprint_phase=phase[key.group, key.half])
                                     if key.stage == "TAIL" and key.op == "verify" else {}))
-    if chain_position_assert:
+    if c.chain_position_assert:
         next(iter(ctx.values())).set_chain_position_assert(True)
     plans: dict[str, StepPlan] = {}
     for k, g in enumerate([*groups, "SWEEP"]):
-        cap = integer("sweep_capacity" if g == "SWEEP" else "verify_capacity",
-                      sweep_capacity if g == "SWEEP" else verify_capacity, lo=1, hi=(1 << 31) - 1)
-        p = StepPlan.allocate(max_batch, cap, device=device, materialize=(g == "SWEEP" or not fused))
+        cap = c.sweep_capacity if g == "SWEEP" else c.verify_capacity
+        p = StepPlan.allocate(max_batch, cap, device=device, materialize=(g == "SWEEP" or not c.fused))
         p.num_valid, p.enable = (be.cells(status, lay.plan(k) + j, dtype=np.int32) for j in (0, 1))
         plans[g] = p
     first = {g: next(i for i, k in enumerate(keys) if k.group == g) for g in groups}
     head_ctx = {g: ctx[keys[i]] for g, i in first.items()}
-    return Parts(mode_hash, check_expected_token, fused, reporter, groups, be, keys, lay, status, ring, self_test,
-                 ctx, plans, head_ctx, ring_requests)
+    return Parts(config, reporter, groups, be, keys, lay, status, ring, self_test, ctx, plans, head_ctx, ring_requests)

@@ -22,8 +22,9 @@ import warnings
 
 import numpy as np
 
-from . import abi, assembly, memory, ops
+from . import assembly, memory, ops
 from .assembly import STAGES, Key, PoolGroup
+from .config import CanaryConfig
 from .errors import ValidationError, ValidationTypeError
 from .monitor import Monitor
 from .plan import Batch
@@ -42,28 +43,24 @@ def _need_batch(batch, where: str) -> None:
 class KvCanary:
     """Canary state and step launches for one KV pool (see module docstring)."""
 
-    def __init__(self, full: PoolGroup, swa: PoolGroup | None = None, *, device: int | None = None,
-                 hash_mode="partial", mode: str = "log", max_batch: int = 256,
-                 verify_capacity: int = 1 << 20, ring_capacity: int = abi.DEFAULT_RING_CAPACITY,
-                 sweep_capacity: int = 1 << 16, check_expected_token: bool = False,
-                 chain_position_assert: bool = False, fused: bool = True, stats_every: int = 0,
-                 self_test_every: int = 0, fingerprint_every: int = 1, export=None):
-        parts = assembly.build(full, swa, device=device, hash_mode=hash_mode, mode=mode, max_batch=max_batch,
-                               verify_capacity=verify_capacity, ring_capacity=ring_capacity,
-                               sweep_capacity=sweep_capacity, check_expected_token=check_expected_token,
-                               chain_position_assert=chain_position_assert, fused=fused, stats_every=stats_every,
-                               self_test_every=self_test_every, fingerprint_every=fingerprint_every, export=export)
-        self.hash_mode, self.check_expected_token, self.fused = parts.hash_mode, parts.check_expected_token, parts.fused
-        self.reporter, self.mode, self.device, self.stats_every = parts.reporter, parts.reporter.mode, device, stats_every
+    def __init__(self, full: PoolGroup, swa: PoolGroup | None = None, *, config: CanaryConfig | None = None,
+                 **settings):
+        """``config``: a :class:`~kvcanary.CanaryConfig`; ``settings``: its fields as keywords (``device``,
+        ``hash_mode``, ``mode``, ``max_batch``, ...), which override the config's."""
+        self.config = CanaryConfig.of(config, settings)
+        parts = assembly.build(full, swa, self.config)
+        c = self.config
+        self.hash_mode, self.check_expected_token, self.fused = c.hash_mode, c.check_expected_token, c.fused
+        self.reporter, self.mode, self.device, self.stats_every = parts.reporter, c.mode, c.device, c.stats_every
         self.groups, self.backend, self.keys, self.layout = parts.groups, parts.backend, parts.keys, parts.layout
-        self.status, self._ring, self.ring_capacity = parts.status, parts.ring, ring_capacity
+        self.status, self._ring, self.ring_capacity = parts.status, parts.ring, c.ring_capacity
         self.self_test, self.ctx, self.plans = parts.self_test, parts.ctx, parts.plans
         self._lock = threading.RLock()
         self.pump = self.backend.pump(self.status, self._ring, self.layout.failed, parts.ring_requests)
         sink = parts.head_ctx["FULL"].sink
         self.parts_verdicts = (sink.verdict_arrays[0], sink.verdict_arrays[1])
         self.stages = StageLaunches(parts)
-        self.monitor = Monitor(parts, self.pump, ring_capacity, stats_every)
+        self.monitor = Monitor(parts, self.pump, c.ring_capacity, c.stats_every)
         self.ledger = self.monitor.ledger
         self._head_open = False  # before_forward ran and its after_forward has not (the step protocol)
 

@@ -35,7 +35,8 @@ class StageLaunches:
 
     def __init__(self, parts):
         self.groups, self.ctx, self.plans, self.head_ctx = parts.groups, parts.ctx, parts.plans, parts.head_ctx
-        self.backend, self.fused, self.check_expected_token = parts.backend, parts.fused, parts.check_expected_token
+        self.backend, self.fused, self.check_expected_token = parts.backend, parts.config.fused, \
+            parts.config.check_expected_token
         self.packed = {st: PackCache(LAYOUTS_KEPT) for st in STAGES}  # layout key -> launches, per stage
         self.held = {st: None for st in STAGES}  # the last step's batch fields, per stage
         self.hot: dict[str, _Hot | None] = {st: None for st in STAGES}

@@ -8,7 +8,6 @@ importing kvcanary never imports torch or CuPy.
 
 from __future__ import annotations
 
-import inspect
 import sys
 import warnings
 from collections import OrderedDict
@@ -19,7 +18,7 @@ import numpy as np
 from .. import abi
 from ..arrays import as_view
 from ..errors import ValidationError, ValidationTypeError
-from ..manager import KvCanary
+from ..config import CanaryConfig
 from ..sources import resolved
 from ..validate import fail, integer, is_int
 
@@ -76,7 +75,7 @@ def select_layers(num_layers: int, layers=None, *, sources_per_layer: int = 1, w
 def canary_kwargs(kwargs: dict, where: str, taken: tuple[str, ...] = ("device",)) -> dict:
     """``kwargs`` if every name is a :class:`~kvcanary.KvCanary` keyword argument that ``where``
     does not set itself (``taken``)."""
-    known = set(inspect.signature(KvCanary.__init__).parameters) - {"self", "full", "swa", *taken}
+    known = set(CanaryConfig.names()) - set(taken)
     unknown = sorted(set(kwargs) - known)
     if unknown:
         raise ValidationTypeError(f"kv-canary: {where} passes keyword arguments to KvCanary, got unknown "
