@@ -15,7 +15,7 @@ import numpy as np
 from . import abi, driver, memory, streams
 from .arrays import ArrayView, from_pointer
 from .launch import Launch
-from .pump import Pump
+from .pump import HostPump, Pump
 from .records import host_slots
 from .state import checked
 
@@ -83,24 +83,6 @@ class HostBackend:
         for k, a in host.items():
             getattr(plan, k)[:n] = a
         plan.num_valid[0], plan.enable[0] = n, 1
-
-
-class HostPump:
-    """The host backend's pump: the status is current after every (synchronous) launch."""
-
-    launches = skipped = in_flight = 0
-
-    def __init__(self, status):
-        self.status = status
-
-    def take(self, meta=None) -> list:
-        return [(self.status.tolist(), meta)]
-
-    def snapshot(self, stream, meta=None) -> bool:
-        return True
-
-    def drain(self, meta=None) -> list:
-        return self.take(meta)
 
 
 class CudaBackend:
