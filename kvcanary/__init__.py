@@ -8,7 +8,7 @@ launch, so servers may fork after import.
 import os as _os
 
 from ._version import __version__  # noqa: E402
-from . import abi, compile as _compile  # noqa: E402
+from . import abi, nvrtc_build as _compile  # noqa: E402
 from .abi import FailReason, HashMode, LaunchTag, MAX_REAL_KV_SOURCES  # noqa: E402
 from .errors import (CanaryViolationError, CompileError, CorruptedKvError, DriverError, KvCanaryError,  # noqa: E402
                      NoCudaDriverError, UnsupportedDeviceError, ValidationError, ValidationTypeError)

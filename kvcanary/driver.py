@@ -14,7 +14,7 @@ import ctypes
 import threading
 from dataclasses import dataclass, field
 
-from . import abi, compile as nvrtc_compile
+from . import abi, nvrtc_build as nvrtc_compile
 from .errors import DriverError, KvCanaryError, NoCudaDriverError, UnsupportedDeviceError
 from .launch import PLAIN_KERNELS, launch_config, pdl_wanted
 

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-from . import compile as _compile
+from . import nvrtc_build as _compile
 
 WORKER_ENV = _compile.WORKER_ENV
 WORKER_TIMEOUT_S = 300  # a worker that has not delivered its cubin by then is killed; its arch compiles here
@@ -72,7 +72,7 @@ def compile_archs(archs, sources: dict[str, str], prelude: str):
 
 
 def _worker() -> None:
-    """``python -m kvcanary.compile ARCH``: the cubin of (sources, prelude) read from stdin."""
+    """``python -m kvcanary.parallel_compile ARCH``: the cubin of (sources, prelude) read from stdin."""
     import ast
     sources, prelude = ast.literal_eval(sys.stdin.buffer.read().decode())
     sys.stdout.buffer.write(_compile.compile_cubin(sources, prelude, int(sys.argv[1])))

@@ -23,7 +23,7 @@ import numpy as np
 from cuda.bindings import driver as cu
 
 from kvcanary import abi, memory
-from kvcanary.compile import compile_cubin, kernels_dir
+from kvcanary.nvrtc_build import compile_cubin, kernels_dir
 from kvcanary.driver import check
 
 from .timing import GpuTimer, pack_args

@@ -20,7 +20,7 @@ from cuda.bindings import driver as cu
 
 import kvcanary as kc
 from kvcanary import abi, ops
-from kvcanary.compile import compile_cubin, read_sources
+from kvcanary.nvrtc_build import compile_cubin, read_sources
 from kvcanary.driver import check
 
 from .clocks import gpu_timed

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from kvcanary import abi, compile as kc_compile
+from kvcanary import abi, nvrtc_build as kc_compile
 from kvcanary.errors import CompileError
 
 

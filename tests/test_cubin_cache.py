@@ -15,7 +15,7 @@ import pytest
 import kvcanary as kc
 
 from kvcanary import cubin_cache as kcache
-from kvcanary import compile as kc_compile
+from kvcanary import nvrtc_build as kc_compile
 from kvcanary import parallel_compile as kc_parallel
 
 BASE = dict(schema="s", kvcanary="0.1", nvrtc=(13, 0), arch=90, options=("-a",), prelude=b"p", sources=(("a.cu", b"x"),))

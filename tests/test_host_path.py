@@ -12,7 +12,6 @@ import pytest
 
 import kvcanary as kc
 from kvcanary import abi, arrays, memory
-from tests.support import fake_cuda
 
 D = memory.to_device
 

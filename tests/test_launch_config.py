@@ -16,7 +16,7 @@ import pytest
 
 import kvcanary as kc
 
-from kvcanary import abi, compile as kc_compile, driver, launch, manager
+from kvcanary import abi, nvrtc_build as kc_compile, driver, launch, manager
 from tests.support import fake_cuda
 from tests.test_pump import make_canary, step, stream
 from tests.test_abi_literals import strip_comments_and_strings
