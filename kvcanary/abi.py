@@ -556,6 +556,10 @@ WritePair = CTYPES["KvcWritePair"]
 FusedVerifyPair = CTYPES["KvcFusedVerifyPair"]
 StageVllmParams = CTYPES["KvcStageVllmParams"]
 StagePagedParams = CTYPES["KvcStagePagedParams"]
+# Kernels launched without PDL even where it is on: the many-source verifies (2 blocks per SM, 35 KB of
+# shared memory each). With them early-resident the 1.1 B model's layers="all" decode step was 4-10 %
+# slower than with plain launches on the H200; without, 0.94-1.04x (docs/performance.md).
+PLAIN_KERNELS = frozenset({"kvc_verify_many", "kvc_fused_verify_many", "kvc_fused_verify_many_pair"})
 # The paired entry point of a kernel (one launch for both halves), by the kernel's name.
 PAIRED = {"kvc_write": "kvc_write_pair", "kvc_fused_verify": "kvc_fused_verify_pair",
           "kvc_fused_verify_wide": "kvc_fused_verify_wide_pair", "kvc_fused_verify_many": "kvc_fused_verify_many_pair"}

@@ -72,10 +72,7 @@ def launch_config(d, grid: int, grid_y: int, block: int, stream, pdl: bool):
     return cfg
 
 
-# Kernels launched without PDL even where it is on: the many-source verifies (2 blocks per SM, 35 KB of
-# shared memory each). With them early-resident the 1.1 B model's layers="all" decode step was 4-10 %
-# slower than with plain launches on the H200; without, 0.94-1.04x (docs/performance.md).
-PLAIN_KERNELS = frozenset({"kvc_verify_many", "kvc_fused_verify_many", "kvc_fused_verify_many_pair"})
+PLAIN_KERNELS = abi.PLAIN_KERNELS  # launched without PDL (abi says why)
 
 
 def pdl_wanted(arch: int) -> bool:

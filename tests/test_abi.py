@@ -9,6 +9,7 @@ import pytest
 
 from kvcanary import abi, nvrtc_build as kc_compile
 from kvcanary.errors import CompileError
+from tests.support.cubin import entry_points
 
 
 @pytest.mark.parametrize("decl", abi.STRUCTS, ids=lambda d: d.name)
@@ -83,12 +84,20 @@ def test_misaligned_field_is_rejected_in_python():
 
 @pytest.mark.parametrize("arch", kc_compile.SUPPORTED_ARCHS)
 def test_every_kernel_compiles_for_every_default_arch(arch):
+    """The cubin's entry points are exactly abi.KERNELS (a kernel renamed, added or dropped on one
+    side fails here, on the CPU, not when a cubin loads on a device)."""
     cubin = kc_compile.compile_cubin(kc_compile.read_sources(), abi.render_prelude(), arch)
-    assert cubin[:4] == b"\x7fELF"
-    for kernel in abi.KERNELS:
-        assert kernel.encode() in cubin
+    assert entry_points(cubin) == set(abi.KERNELS)
     # A clean compile has a 1-byte log: writing it must not touch CPython's shared b" ".
     assert b" "[0] == 32 and " ".join(["str", "tag"]) == "str tag"
+
+
+def test_a_renamed_kernel_is_an_entry_point_abi_does_not_declare():
+    sources = dict(kc_compile.read_sources())
+    sources["pump.cu"] = sources["pump.cu"].replace("void kvc_snapshot(", "void kvc_snapshot_v2(")
+    got = entry_points(kc_compile.compile_cubin(sources, abi.render_prelude(), 90))
+    assert got ^ set(abi.KERNELS) == {"kvc_snapshot", "kvc_snapshot_v2"}
+    assert set(abi.PAIRED) | set(abi.PAIRED.values()) | abi.PLAIN_KERNELS <= set(abi.KERNELS)
 
 
 def test_layout_drift_fails_the_compile_with_the_static_assert():
