@@ -4,7 +4,7 @@ docs/format.md §3 through the reference), the block table expands to a hand-com
 prefill + decode runs through a host KvCanary stay clean until a byte, a scale or a block table
 is corrupted, which is reported with the right tag and reason.
 
-The simulations take an array backend (``Host``: numpy); tests/gpu/test_adapters_gpu.py runs the
+The simulations take an array backend (``Host``: numpy); tests/gpu/device/test_adapters_gpu.py runs the
 same simulations with torch CUDA tensors and compares the outcome with this host run.
 """
 

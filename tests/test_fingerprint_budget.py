@@ -3,7 +3,7 @@
 token, but compares the real-KV fingerprint of an entry only when its position is the phase mod N
 (phase: the HEAD verify's run count, so step k of a canary, counted from 0, has phase k + 1) or
 when it is one of its request's last N cached positions. Expected steps are worked out from
-§6.1 by hand; the device kernels are held to the reference in tests/gpu/test_manager_gpu.py."""
+§6.1 by hand; the device kernels are held to the reference in tests/gpu/emulated/test_manager_emulated.py."""
 
 from __future__ import annotations
 

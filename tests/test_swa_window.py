@@ -1,6 +1,6 @@
 """The padding-slot rule and an SWA window (docs/format.md §8), on the CPU reference: the first
 verified entry's predecessor outside the window may map to slot 0 (no report); a 0 inside the
-window is reported as PADDING_SLOT_READ. tests/gpu/test_manager_gpu.py holds the kernels to it."""
+window is reported as PADDING_SLOT_READ. tests/gpu/emulated/test_manager_emulated.py holds the kernels to it."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ byte, a corrupted read index and a wrong input token are reported with the right
 step where the corrupted data is read and in no other. Expected slots come from the documented slot
 formula (block * page_size + offset) applied to the engine's own block table, never from the adapter.
 
-The scenarios take the device; tests/gpu/test_transformers_client.py runs them on CUDA.
+The scenarios take the device; tests/gpu/device/test_transformers_client.py runs them on CUDA.
 """
 
 from __future__ import annotations

@@ -94,7 +94,7 @@ def test_a_request_reading_the_padding_slot_fails_and_a_stray_padding_token_fail
     b = kc.Batch(arrays["rows"], arrays["prefix"], arrays["extend"], s.rtt.copy(), np.append(arrays["ids"], 0),
                  np.append(arrays["pos"], 0), loc, swa_out_cache_loc=loc)
     with pytest.raises(kc.ValidationError, match=r"a padding token past sum\(extend_lens\)"):
-        s.canary.before_forward(b)  # the host checks values first; on the device: tests/gpu/test_verdicts_gpu.py
+        s.canary.before_forward(b)  # the host checks values first; on the device: tests/gpu/emulated/test_verdicts_gpu.py
 
 
 def test_verdict_words_and_count_are_the_step_s_and_reset_at_the_next_head():

@@ -125,6 +125,21 @@ class Session:
         return self.records
 
 
+def violation_key(records) -> list:
+    """The violation records of a canary's export, sorted (device rows land in any order)."""
+    return sorted((r["step"], r["launch_tag"], r["slot_idx"], r["position"], r["fail_reason_bits"],
+                   r["stored_chain_hash"], r["expected_aux"]) for r in records if r["type"] == "violation")
+
+
+def host_buffers(canary) -> dict:
+    """Every canary buffer of ``canary`` as host numpy, by (stage, group, half)."""
+    out = {}
+    for name, ctx in canary.ctx.items():
+        arr = ctx.buffer.array
+        out[name[:3]] = arr if isinstance(arr, np.ndarray) else arr.numpy()
+    return out
+
+
 SCRIPT = [
     [(1, list(range(100, 112)))],                                  # prefill A
     [(1, [112]), (2, list(range(200, 208)))],                      # decode A, chunk 1 of B

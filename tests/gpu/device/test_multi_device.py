@@ -37,7 +37,7 @@ def test_workloads_on_every_device_from_threads():
 def test_manager_on_the_last_device_equals_reference(fault):
     """The step API, the snapshot pump (mapped pinned memory written by a kernel of that device)
     and the report path on a device other than 0."""
-    from tests.gpu.test_manager_gpu import buffers, key
+    from tests.support.session import host_buffers as buffers, violation_key as key
     from tests.support.session import Session
     from tests.test_manager import _flip_kv
     n = driver.device_count()

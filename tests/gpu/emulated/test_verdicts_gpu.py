@@ -13,7 +13,7 @@ import pytest
 import kvcanary as kc
 from kvcanary import abi, memory
 from tests.support import workloads
-from tests.gpu.test_plan import host_plan, on, random_batch, stamped_engine
+from tests.gpu.emulated.test_plan import host_plan, on, random_batch, stamped_engine
 from tests.support.session import Session
 from tests.test_verdicts import _flip_b_cached_kv, _flip_shared_kv, failed_by_step
 
