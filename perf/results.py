@@ -98,15 +98,18 @@ def readme_prefill_sentence(rows: list[dict]) -> str:
 
 def write_readme_table(rows: list[dict], readme: Path = HERE.parent / "README.md") -> str:
     """Replace the README's cost table (the lines starting with its header) and its prefill
-    sentence with :func:`readme_cost_table` / :func:`readme_prefill_sentence` of ``rows``."""
+    sentence with :func:`readme_cost_table` / :func:`readme_prefill_sentence` of ``rows``; a run
+    without the model-step rows (e.g. ``pytest perf -k ...``) leaves them as they are."""
     lines = readme.read_text().split("\n")
-    table_lines = readme_cost_table(rows)
+    try:
+        table_lines, prefill = readme_cost_table(rows), readme_prefill_sentence(rows)
+    except KeyError as missing:
+        return f"the README's cost table kept: the run has no row {missing}"
     start = lines.index(table_lines[0])
     end = start
     while end < len(lines) and lines[end].startswith("|"):
         end += 1
     lines[start:end] = table_lines
-    prefill = readme_prefill_sentence(rows)
     lines = [prefill if line.startswith("An eager 8192-token prefill chunk took") else line for line in lines]
     readme.write_text("\n".join(lines))
     return f"the README's cost table rewritten from {len(rows)} rows"
@@ -302,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--before", type=Path, help="an earlier run's JSON: adds its measurement of each row")
     ap.add_argument("--regression", type=float, default=10.0, metavar="PCT",
                     help="with --before: list benchmarks whose median grew by more than PCT percent")
+    ap.add_argument("--fail-on-regression", action="store_true",
+                    help="with --before: exit 1 when a benchmark regressed against its same-run bound (the "
+                         "gate of .ci/gpu perf, which lets pytest run to its summary)")
     ap.add_argument("--update-committed", action="store_true",
                     help="write perf/RESULTS.md, perf/plots/ and perf/results-h200.json (an H200 run only)")
     ap.add_argument("--readme", action="store_true",
@@ -346,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
           + (f", {args.json} -> {COMMITTED['json']}" if args.update_committed else ""))
     for line in regressed:
         print(f"report: {line}")
-    return 0
+    return 1 if args.fail_on_regression and regressed else 0
 
 
 if __name__ == "__main__":

@@ -158,3 +158,8 @@ def test_a_slowdown_that_its_same_run_bound_shares_is_the_hosts_not_a_regression
     assert "- slower +20.0%: t::host (median 30 µs -> 36 µs, its same-run bound +20.0%; rows: host path)" in text
     printed = capsys.readouterr().out
     assert "report: regressed +20.0%: t::code" in printed and "t::host" not in printed
+    gate = [new, "--before", old, "--out", str(out), "--plots", str(tmp_path / "p"), "--fail-on-regression"]
+    assert report.main(gate) == 1, "the gate of .ci/gpu perf: a regression against its same-run bound fails"
+    host_only = run_json(tmp_path, "host", [timed("t::host", 36e-6, [row("host path", 36e-6, 24e-6)]),
+                                            timed("t::code", 30e-6, [row("step", 30e-6, 20e-6)])], gpu="NVIDIA H200")
+    assert report.main([host_only, *gate[1:]]) == 0, "a slower host whose same-run floor is as slow passes the gate"
