@@ -26,7 +26,7 @@ from kvcanary import abi, memory
 from kvcanary.nvrtc_build import compile_cubin, kernels_dir
 from kvcanary.driver import check
 
-from .timing import GpuTimer, pack_args
+from .timing import GpuTimer, pack_args, python_workload
 
 KERNELS = Path(__file__).resolve().parent / "kernels"  # probes.cu and baseline.cu
 PROBE_NAMES = ("kvcp_spin", "kvcp_read", "kvcp_fill", "kvcp_chain", "kvcp_chain_vector", "kvcp_verify_loads",
@@ -145,6 +145,12 @@ class Bounds:
     def launch_floor(self) -> float:
         """Host seconds per raw cuLaunchKernel (prepacked pointer array, no checks)."""
         return self.timer.host_time({"raw": self.raw_launch_fn()})["raw"]
+
+    @cached_property
+    def python_speed(self) -> float:
+        """Host seconds of :func:`~.timing.python_workload` (the calibration of host rows: lent hosts
+        differ in Python speed more than in launch floor)."""
+        return self.timer.host_time({"python": python_workload}, batch=20)["python"]
 
     @cached_property
     def gpu_launch_floor(self) -> float:

@@ -4,7 +4,10 @@ An engine never passes the same tensor objects twice: SGLang builds a new Forwar
 vLLM slices its persistent buffers per step, and the adapters create tensors of their own. Each
 row times one eager ``before_forward`` + ``after_forward`` (host seconds, the stream idle at each
 round's start) against the floor: the launches the canary made per step (counted, the pump's
-snapshot included) x the raw ``cuLaunchKernel`` floor measured in this run; target <= 1.5x.
+snapshot included) x the raw ``cuLaunchKernel`` floor measured in this run; target <= 1.5x. Python
+runs at different speeds on different lent hosts, more than their launch floors differ: a
+calibration row times a fixed pure-Python workload (``perf/timing.py``) in the same run, and every
+host row carries its time in units of it (``python_calibrations``), so two runs compare through it.
 
 - ``fresh Batch``: a ``kvcanary.Batch`` of new torch tensors every step (prebuilt, so the
   engine's own allocations stay out of the timed region; the addresses differ step to step);
@@ -36,6 +39,7 @@ import pytest
 import kvcanary as kc
 
 from .clocks import reported
+from .timing import python_workload
 from .workloads import settle, sglang_forward_batches
 
 TARGET = ("<=", 1.5)
@@ -98,7 +102,16 @@ def time_steps(report, timer, bounds, canary, make_batch, name: str, other_launc
     canary.flush()
     assert canary.stats()["violations"] == 0, "the benchmark workload must step clean"
     report.row(f"host path: {name}", t, "s", bound=n * bounds.launch_floor,
-               bound_name=f"{n:.3g} launches per step x raw launch floor", target=TARGET, launches_per_step=n)
+               bound_name=f"{n:.3g} launches per step x raw launch floor", target=TARGET, launches_per_step=n,
+               python_calibration_s=bounds.python_speed, python_calibrations=t / bounds.python_speed)
+
+
+def test_python_speed_calibration(report, bounds):
+    """This host's speed at a fixed pure-Python workload, beside its raw launch floor: host rows of two
+    runs compare through it (each host row carries ``python_calibrations``: its time in units of it)."""
+    t = report.host(python_workload, batch=20, rounds=30)
+    report.row("host path: calibration, a fixed pure-Python workload (perf/timing.py)", t, "s",
+               bound=bounds.launch_floor, bound_name="raw launch floor, same run")
 
 
 @pytest.mark.parametrize("how", ["fresh Batch", "reused Batch", "sglang_batch"])

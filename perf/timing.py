@@ -171,3 +171,35 @@ def pack_args(*values) -> tuple[int, object]:
     """(address of a void*[] pointing at each ctypes value, object to keep alive until launched)."""
     arr = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
     return ctypes.addressof(arr), (arr, values)
+
+
+class _Arg:
+    """A stand-in argument with the attributes a packed launch's keying reads."""
+
+    __slots__ = ("shape", "strides", "dtype", "ptr")
+
+    def __init__(self, i: int):
+        self.shape, self.strides, self.dtype, self.ptr = (i + 1, 64), (512, 8), "<i8", 4096 * (i + 1)
+
+
+_ARGS = [_Arg(i) for i in range(13)]
+
+
+def python_workload() -> int:
+    """A fixed pure-Python workload shaped like a step's host path (attribute reads, tuples, a dict
+    lookup, a list per argument; no numpy, no driver): the calibration of host rows, whose time on
+    a host says how fast that host runs kvcanary's own Python."""
+    seen: dict = {}
+    total = 0
+    for _ in range(20):
+        keys, ptrs = [], []
+        for a in _ARGS:
+            keys.append((a.shape, a.strides, a.dtype))
+            ptrs.append(a.ptr)
+        key = tuple(keys)
+        hit = seen.get(key)
+        if hit is None:
+            seen[key] = hit = len(seen)
+        total += hit + len(set(ptrs))
+    return total
+
