@@ -54,13 +54,10 @@ class HostBackend:
     def pump(self, status, ring, head=None, ring_requests=None):
         return HostPump(status)
 
-    def read_rows(self, ring, start: int, stop: int) -> np.ndarray:
+    def read_rows(self, ring, start: int, stop: int, ring_requests=None):
+        """(rows of claim indices [start, stop), their requests from ``ring_requests`` or None)."""
         idx = np.arange(start, stop, dtype=np.int64) % ring.shape[0]
-        return np.array(ring[idx], copy=True)
-
-    def read_requests(self, ring_requests, start: int, stop: int) -> np.ndarray:
-        """The requests of the rows of claim indices [start, stop) (docs/format.md §5.7)."""
-        return self.read_rows(ring_requests, start, stop)
+        return np.array(ring[idx], copy=True), None if ring_requests is None else np.array(ring_requests[idx])
 
     def set_consumed(self, status, value: int, stream) -> None:
         status[abi.STATUS_CONSUMED] = value
@@ -130,27 +127,18 @@ class CudaBackend:
         self._pump = Pump(status, ring, ring.shape[0], self.device, head, ring_requests)
         return self._pump
 
-    def read_rows(self, ring, start: int, stop: int) -> np.ndarray:
-        """Rows of claim indices [start, stop) (complete per a snapshot), in index order; waits
-        only for these copies, on the pump's side stream."""
-        cap = ring.shape[0]
+    def read_rows(self, ring, start: int, stop: int, ring_requests=None):
+        """(rows of claim indices [start, stop) in index order, their requests or None): complete
+        per a snapshot, copied on the pump's side stream (one wait for the rows and the requests)."""
+        cap, want = ring.shape[0], ring_requests is not None
         if stop <= start:
-            return np.zeros((0, abi.RING_COLS), np.int64)
+            return np.zeros((0, abi.RING_COLS), np.int64), np.zeros(0, np.int64) if want else None
         a, b = start % cap, (stop - 1) % cap + 1
-        if a < b:
-            return self._pump.read_ring(a, b)
-        return np.concatenate([self._pump.read_ring(a, cap), self._pump.read_ring(0, b)])
-
-    def read_requests(self, ring_requests, start: int, stop: int) -> np.ndarray:
-        """The requests of the rows of claim indices [start, stop) (docs/format.md §5.7), as
-        :meth:`read_rows` reads the rows."""
-        cap = ring_requests.shape[0]
-        if stop <= start:
-            return np.zeros(0, np.int64)
-        a, b = start % cap, (stop - 1) % cap + 1
-        if a < b:
-            return self._pump.read_requests(a, b)
-        return np.concatenate([self._pump.read_requests(a, cap), self._pump.read_requests(0, b)])
+        spans = [(a, b)] if a < b else [(a, cap), (0, b)]  # the window wraps past the ring's end
+        if not want:
+            return np.concatenate([self._pump.read_ring(lo, hi) for lo, hi in spans]), None
+        parts = [self._pump.read_ring(lo, hi, with_requests=True) for lo, hi in spans]
+        return np.concatenate([r for r, _ in parts]), np.concatenate([q for _, q in parts])
 
     def set_consumed(self, status, value: int, stream: int) -> None:
         """The host's consumed mark into the status cell, in stream order: two 32-bit memsets that

@@ -57,8 +57,7 @@ class KvCanary:
         self.self_test, self.ctx, self.plans = parts.self_test, parts.ctx, parts.plans
         self._lock = threading.RLock()
         self.pump = self.backend.pump(self.status, self._ring, self.layout.failed, parts.ring_requests)
-        sink = parts.head_ctx["FULL"].sink
-        self.parts_verdicts = (sink.verdict_arrays[0], sink.verdict_arrays[1])
+        self._verdicts, self._failed_count = parts.head_ctx["FULL"].sink.verdict_arrays[:2]
         self.stages = StageLaunches(parts)
         self.monitor = Monitor(parts, self.pump, c.ring_capacity, c.stats_every)
         self.ledger = self.monitor.ledger
@@ -190,12 +189,12 @@ class KvCanary:
         each ``before_forward``; whole after ``after_forward``. A device array (CUDA array interface,
         DLPack) an engine may read inside its own graph, e.g. to end request r's sequence when
         ``verdicts[r] != 0``, with no host sync; on the host backend a numpy view."""
-        return self.parts_verdicts[0]
+        return self._verdicts
 
     @property
     def failed_count(self):
         """int64 ``[1]`` beside :attr:`verdicts`: how many of the step's words are nonzero."""
-        return self.parts_verdicts[1]
+        return self._failed_count
 
     def failed_requests(self) -> list:
         """The requests failed since the last call, as :class:`~kvcanary.verdicts.FailedRequest`

@@ -114,8 +114,12 @@ class Monitor:
                               f"more cached entries than verify_capacity ({self.plans[g].verify_capacity}); fix: "
                               f"raise verify_capacity", RuntimeWarning, stacklevel=stacklevel)
         start, stop, lost = self.ledger.take(snap[abi.STATUS_CLAIM], floor)
-        rows = self.backend.read_rows(self.ring, start, stop) if stop > start or lost else None
-        self.verdicts(snap, step, rows, start, stop)
+        due = self.verdicts_due(snap)
+        rows = requests = None
+        if stop > start or lost:
+            rows, requests = self.backend.read_rows(self.ring, start, stop, self.ring_requests if due else None)
+        if due:
+            self.verdicts(snap, step, rows, requests)
         if rows is not None:
             found = self.self_test.take(decode_ring(rows, len(rows)).violations)
             self.plan_mismatches += sum(v.batch_field == "ENTRY_COUNT" for v in found)
@@ -124,20 +128,24 @@ class Monitor:
             emit = bool(self.stats_every) and step % self.stats_every == 0
             self.reporter.stats(self.stats_of(snap, step), emit)
 
-    def verdicts(self, snap: list, step: int, rows, start: int, stop: int) -> None:
-        """The failed requests a snapshot shows (docs/format.md §5.7), once per step: reported and
-        kept for :meth:`take_failed`. A snapshot carries the verdict words only when its step
-        failed a request; one taken between a HEAD and its TAIL waits for the TAIL's."""
+    def verdicts_due(self, snap: list) -> bool:
+        """Whether a snapshot has failed requests not reported yet (docs/format.md §5.7): it carries
+        the verdict words only when its step failed a request; one taken between a HEAD and its TAIL
+        waits for the TAIL's; each HEAD run (the device's step count) is reported once."""
         lay = self.layout
         if len(snap) <= lay.failed + 1 or not snap[lay.failed]:
-            return
+            return False
         head, tail = (snap[i] for i in self.verdict_runs)
-        if head != tail or head == self.verdict_run:
-            return
-        self.verdict_run = head
-        requests = self.backend.read_requests(self.ring_requests, start, stop) if stop > start else np.zeros(0)
-        found = failed_requests(step, snap[lay.failed + 1:lay.failed + 1 + lay.requests],
-                                rows if rows is not None else np.zeros((0, abi.RING_COLS), np.int64), requests)
+        return head == tail and head != self.verdict_run
+
+    def verdicts(self, snap: list, step: int, rows, requests) -> None:
+        """Report the failed requests of a :meth:`verdicts_due` snapshot (with the step's ring rows and
+        their requests, None when it has none) and keep them for :meth:`take_failed`."""
+        lay = self.layout
+        self.verdict_run = snap[self.verdict_runs[0]]
+        if rows is None:
+            rows, requests = np.zeros((0, abi.RING_COLS), np.int64), np.zeros(0, np.int64)
+        found = failed_requests(step, snap[lay.failed + 1:lay.failed + 1 + lay.requests], rows, requests)
         self.failed += found
         self.reporter.failed_requests(found)
 

@@ -134,7 +134,7 @@ class Pump:
         self.done = memory.PinnedBuffer((self.DEPTH,), np.int64, device, mapped=True)
         self.fifo = SnapshotFifo(self.pinned.array, self.done.array, self.head)
         self.ring_pinned = memory.PinnedBuffer((ring_capacity, abi.RING_COLS), np.int64, device)
-        self.requests_pinned = None  # allocated on the first read of row requests
+        self.requests_pinned = None
         self.ring_side = memory.new_stream(device)  # idle but for ring reads: never waits on steps
         block = min(_SNAPSHOT_BLOCK, abi.WARP_SIZE * -(-self.n // abi.WARP_SIZE))
         self.slot_launches = []  # one prepacked launch per slot; its ticket set per use
@@ -183,25 +183,24 @@ class Pump:
         memory.context_synchronize(self.device)
         return self.fifo.take()
 
-    def read_ring(self, start: int, stop: int) -> np.ndarray:
-        """Ring rows [start, stop) (complete per a snapshot), as host numpy. Waits only for this
-        copy, on a stream of its own: not for the steps enqueued since."""
-        if stop <= start:
-            return np.zeros((0, abi.RING_COLS), np.int64)
-        row = abi.WORD_BYTES * abi.RING_COLS
-        memory.copy_async(self.ring_pinned.ptr + start * row, self.ring.ptr + start * row,
-                          (stop - start) * row, self.ring_side, self.device)
-        memory.stream_synchronize(self.ring_side, self.device)
-        return self.ring_pinned.array[start:stop].copy()
-
-    def read_requests(self, start: int, stop: int) -> np.ndarray:
-        """The requests of ring rows [start, stop) (docs/format.md §5.7), as :meth:`read_ring` reads rows."""
-        if stop <= start or self.ring_requests is None:
-            return np.full(max(stop - start, 0), abi.NO_REQUEST, np.int64)
-        if self.requests_pinned is None:
-            self.requests_pinned = memory.PinnedBuffer((self.capacity,), np.int64, self.device)
-        word = abi.WORD_BYTES
-        memory.copy_async(self.requests_pinned.ptr + word * start, self.ring_requests.ptr + word * start,
-                          word * (stop - start), self.ring_side, self.device)
-        memory.stream_synchronize(self.ring_side, self.device)
-        return self.requests_pinned.array[start:stop].copy()
+    def read_ring(self, start: int, stop: int, with_requests: bool = False):
+        """Ring rows [start, stop) (complete per a snapshot), as host numpy; with ``with_requests``
+        (rows, their requests: docs/format.md §5.7). Waits only for these copies, on a stream of its
+        own: not for the steps enqueued since."""
+        rows = np.zeros((max(stop - start, 0), abi.RING_COLS), np.int64)
+        requests = np.full(len(rows), abi.NO_REQUEST, np.int64)
+        if stop > start:
+            word = abi.WORD_BYTES
+            copies = [(self.ring_pinned, self.ring, word * abi.RING_COLS)]
+            if with_requests and self.ring_requests is not None:
+                if self.requests_pinned is None:  # allocated on the first read of row requests
+                    self.requests_pinned = memory.PinnedBuffer((self.capacity,), np.int64, self.device)
+                copies.append((self.requests_pinned, self.ring_requests, word))
+            for pinned, src, width in copies:
+                memory.copy_async(pinned.ptr + start * width, src.ptr + start * width, (stop - start) * width,
+                                  self.ring_side, self.device)
+            memory.stream_synchronize(self.ring_side, self.device)
+            rows = self.ring_pinned.array[start:stop].copy()
+            if len(copies) > 1:
+                requests = self.requests_pinned.array[start:stop].copy()
+        return (rows, requests) if with_requests else rows
