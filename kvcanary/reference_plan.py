@@ -100,7 +100,7 @@ def entries(q: Requests, entry_offsets, active: int, req_to_token, swa_map=None,
     if bs == 0:
         z = np.zeros(active, np.int64)
         return Entries(z + SWA_UNMAPPED, z + CHAIN_HEAD, z + NO_EXPECTED_TOKEN, z, z.astype(bool), z)
-    r = np.clip(np.searchsorted(off[:bs], e, side="right") - 1, 0, bs - 1)
+    r = owners(off, bs, e)
     k = e - off[r]
     live = q.ok[r] & (k >= 0) & (k < q.n[r])
     pos = q.lo[r] + np.where(live, k, 0)

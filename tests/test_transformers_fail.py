@@ -134,15 +134,15 @@ def test_a_poisoned_block_another_request_holds_never_gets_its_hash_back():
                                   "inputs_and_outputs.prepare_batch_update", "cache.mark_complete_blocks"])
 def test_an_engine_without_what_fail_request_needs_is_refused_naming_it(path):
     e = Engine({"a": [1]})
-    obj, name = e, path
-    if "." in path:
-        head, name = path.split(".")
-        obj = getattr(e, head)
-    delattr(obj, name) if name in vars(obj) else setattr(type(obj), name, None)
-    if name == "_handle_request_error":
-        e = NS(**{k: v for k, v in vars(e).items()})
+    check_engine(e)
+    proc = NS(**vars(e), _handle_request_error=e._handle_request_error)  # a copy without class attributes
+    head, _, name = path.rpartition(".")
+    if head:
+        setattr(proc, head, NS(**{k: v for k, v in vars(getattr(e, head)).items() if k != name}))
+    else:
+        delattr(proc, name)
     with pytest.raises(ValidationError, match=rf"mode='fail_request' needs the batch processor's {path}"):
-        check_engine(e)
+        check_engine(proc)
 
 
 def test_the_error_names_at_most_eight_slots_and_how_many_more():
@@ -155,3 +155,19 @@ def test_noted_steps_the_engine_never_updates_do_not_pile_up():
     for step in range(200):
         f.noted(step, ["a"], None)
     assert len(f.steps) == 64 and min(f.steps) == 136
+
+
+def test_a_failed_requests_id_is_forgotten_once_updates_stop_carrying_it():
+    """Catches a failed id dropped forever: engines reuse request ids (a persistent manager's next
+    generation may name a request as an earlier one was), and such a request lost every token."""
+    e = Engine({"a": [1], "b": [2]})
+    f = RequestFailer(page_size=16)
+    f.noted(1, ["a", "b"], None)
+    f.update(e, Canary([failed(1, 0)]), (futures(e, ["a", "b"]), [5, 6], None))  # a fails here
+    out = f.update(e, Canary([]), (futures(e, ["a", "b"]), [7, 8], None))         # async: a once more
+    assert [x.state.request_id for x in out[0]] == ["b"] and out[1] == [8]
+    for tokens in ([9], [10]):                                                      # two updates without a
+        f.update(e, Canary([]), (futures(e, ["b"]), tokens, None))
+    e.states["a"] = NS(request_id="a", status=2, generated_tokens=[])              # a new request "a"
+    out = f.update(e, Canary([]), (futures(e, ["a", "b"]), [11, 12], None))
+    assert [x.state.request_id for x in out[0]] == ["a", "b"] and out[1] == [11, 12]

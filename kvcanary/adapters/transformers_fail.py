@@ -23,6 +23,7 @@ from __future__ import annotations
 from ..errors import CorruptedKvError, ValidationError
 
 KEEP_STEPS = 64  # noted steps awaiting their update: async batching keeps 2
+KEEP_ENDED = 2   # updates without a failed request's id before it is forgotten
 FINISHED_STATUS = 3  # transformers' RequestStatus.FINISHED (FAILED is 4): a request at or past it has ended
 _FIX = "fix: use transformers 5.18-5.24, or mode='log'"
 
@@ -55,7 +56,7 @@ class RequestFailer:
         self.page_size = page_size
         self.steps: dict[int, tuple[list, object]] = {}  # canary step -> (request ids in batch order, event)
         self.pending: list = []                         # FailedRequests of steps not updated yet
-        self.ended: set = set()                         # ids of requests failed here
+        self.ended: dict = {}                           # id of a request failed here -> updates left to drop it
         self.poisoned: dict[str, set] = {}              # allocator name -> blocks kept out of prefix reuse
         self.failed: list[dict] = []
 
@@ -91,7 +92,8 @@ class RequestFailer:
     def update(self, processor, canary, out):
         """``prepare_batch_update``'s (requests, tokens, logprobs) with failed requests failed and dropped."""
         requests_in_batch, new_tokens, logprobs = out
-        step = self._step_of([f.state.request_id for f in requests_in_batch])
+        ids = [f.state.request_id for f in requests_in_batch]
+        step = self._step_of(ids)
         if step is not None and canary is not None:
             event = self.steps[step][1]
             if event is not None:
@@ -100,16 +102,21 @@ class RequestFailer:
             now = [f for f in self.pending if f.step <= step]
             self.pending = [f for f in self.pending if f.step > step]
             for f in now:
-                ids = self.steps.get(f.step, ((), None))[0]
-                if 0 <= f.batch_index < len(ids):
-                    self._fail(processor, ids[f.batch_index], f)
+                noted = self.steps.get(f.step, ((), None))[0]
+                if 0 <= f.batch_index < len(noted):
+                    self._fail(processor, noted[f.batch_index], f)
             for s in [s for s in self.steps if s <= step]:
                 del self.steps[s]
-        if not any(f.state.request_id in self.ended for f in requests_in_batch):
+        dropped, seen = set(self.ended), set(ids)
+        # an id is dropped while updates carry it and for one more (async batching launched the next
+        # step before this update), then forgotten: a later request with that id is the engine's again
+        self.ended = {rid: KEEP_ENDED if rid in seen else left - 1 for rid, left in self.ended.items()
+                      if rid in seen or left > 1}
+        if not dropped & seen:
             return out
         keep, tokens, probs, at = [], [], [] if logprobs is not None else None, 0
         for f in requests_in_batch:
-            drop = f.state.request_id in self.ended
+            drop = f.state.request_id in dropped
             if getattr(f, "has_new_token", False):
                 if not drop:
                     tokens.append(new_tokens[at])
@@ -128,9 +135,8 @@ class RequestFailer:
         return None
 
     def _fail(self, processor, rid, failed) -> None:
-        blocks = {}
+        blocks, named = {}, {s // self.page_size for s in failed.slots if s > 0}  # slot = block * page_size + offset
         for name, alloc in processor.cache.cache_allocators.items():
-            named = {s // self.page_size for s in failed.slots if s > 0}  # slot = block * page_size + offset
             blocks[name] = sorted(named | set(alloc.block_table.get(rid, ())))
             for b in blocks[name]:
                 self._forget(alloc, b)
@@ -138,7 +144,7 @@ class RequestFailer:
         state = processor.scheduler.active_requests.get(rid)
         live = state is not None and int(state.status) < FINISHED_STATUS and rid not in self.ended
         if live:
-            self.ended.add(rid)
+            self.ended[rid] = KEEP_ENDED
             processor._handle_request_error(CorruptedKvError(rid, failed), state)  # FAILED, delivered
             processor.scheduler.finish_request(rid)  # after: it keeps the request's tokens (and frees its blocks)
             self.guard(processor.cache)
