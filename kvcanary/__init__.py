@@ -8,7 +8,8 @@ launch, so servers may fork after import.
 import os as _os
 
 from ._version import __version__  # noqa: E402
-from . import abi, nvrtc_build as _compile  # noqa: E402
+from . import abi  # noqa: E402
+from .runtime import nvrtc_build as _compile  # noqa: E402
 from .abi import FailReason, HashMode, LaunchTag, MAX_REAL_KV_SOURCES  # noqa: E402
 from .errors import (CanaryViolationError, CompileError, CorruptedKvError, DriverError, KvCanaryError,  # noqa: E402
                      NoCudaDriverError, UnsupportedDeviceError, ValidationError, ValidationTypeError)
@@ -16,17 +17,17 @@ from .errors import (CanaryViolationError, CompileError, CorruptedKvError, Drive
 # the configured archs (the driver loads them on first launch); a compile worker compiles its own arch only
 COMPILED = None if _os.environ.get(_compile.WORKER_ENV) else _compile.load_kernels()
 
-from .arrays import ArrayView, as_view, from_pointer  # noqa: E402
+from .interop.arrays import ArrayView, as_view, from_pointer  # noqa: E402
 from .ops import build_plan, fused_verify, verify, write  # noqa: E402
-from .plan import Batch, StepPlan  # noqa: E402
-from .sources import (RealKvSource, source_from_slots, sources_from_layers,  # noqa: E402
-                      sources_from_pages, sources_from_vllm)
-from .state import CanaryBuffer, VerifyContext, ViolationSink  # noqa: E402
-from .violations import Violation, decode_ring  # noqa: E402
-from .verdicts import FailedRequest  # noqa: E402
-from .records import CanaryRecords  # noqa: E402
+from .ops.batch import Batch, StepPlan  # noqa: E402
+from .ops.sources import (RealKvSource, source_from_slots, sources_from_layers,  # noqa: E402
+                          sources_from_pages, sources_from_vllm)
+from .ops.state import CanaryBuffer, VerifyContext, ViolationSink  # noqa: E402
+from .reporting.violations import Violation, decode_ring  # noqa: E402
+from .reporting.verdicts import FailedRequest  # noqa: E402
+from .ops.records import CanaryRecords  # noqa: E402
 from .config import CanaryConfig  # noqa: E402
-from .manager import KvCanary, PoolGroup  # noqa: E402
+from .manager.canary import KvCanary, PoolGroup  # noqa: E402
 
 __all__ = [
     "__version__",

@@ -8,8 +8,8 @@ import os
 import sys
 
 from . import __version__, abi
-from .demo import Parser, add_arguments, run_cli
-from .doctor import run as run_doctor
+from .cli.demo import Parser, add_arguments, run_cli
+from .cli.doctor import run as run_doctor
 
 
 def prog_name(argv0: str | None = None) -> str:

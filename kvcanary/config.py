@@ -11,10 +11,12 @@ from typing import Any
 
 from . import abi
 from .errors import ValidationError, ValidationTypeError
-from .plan import MAX_BATCH_LIMIT
-from .reporting import MODES
-from .state import RING_CAPACITY_LIMIT
-from .validate import INT32_MAX, boolean, choice, device as check_device, hash_mode as parse_hash_mode, integer
+from .ops.batch import MAX_BATCH_LIMIT
+from .ops.state import RING_CAPACITY_LIMIT
+from .reporting.outputs import MODES
+from .validate import INT32_MAX, boolean, choice, integer
+from .validate import device as check_device
+from .validate import hash_mode as parse_hash_mode
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,7 @@ class CanaryViolationError(KvCanaryError, RuntimeError):
 
 class CorruptedKvError(KvCanaryError, RuntimeError):
     """The error an engine adapter fails one request with in mode "fail_request": the request read
-    (or wrote) KV that failed the canary's checks (``failed``: its :class:`~kvcanary.verdicts.FailedRequest`)."""
+    (or wrote) KV that failed the canary's checks (``failed``: its :class:`~kvcanary.reporting.verdicts.FailedRequest`)."""
 
     def __init__(self, request_id, failed):
         shown = list(failed.slots[:8])

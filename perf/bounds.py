@@ -22,9 +22,10 @@ from pathlib import Path
 import numpy as np
 from cuda.bindings import driver as cu
 
-from kvcanary import abi, memory
-from kvcanary.nvrtc_build import compile_cubin, kernels_dir
-from kvcanary.driver import check
+from kvcanary import abi
+from kvcanary.runtime import memory
+from kvcanary.runtime.driver import check
+from kvcanary.runtime.nvrtc_build import compile_cubin, kernels_dir
 
 from .timing import GpuTimer, pack_args, python_workload
 

@@ -3,7 +3,7 @@ the ``report`` fixture through which every benchmark measures its operation and 
 
 GPU benchmarks take the ``gpu`` fixture (directly or through ``timer``/``bounds``/``workloads``)
 and skip cleanly when no CUDA driver or device is found: the kvcanary error that
-``kvcanary.driver.device_count()`` raises is caught, never propagated. CPU benchmarks (import
+``kvcanary.runtime.driver.device_count()`` raises is caught, never propagated. CPU benchmarks (import
 time, the reference backend, the probe compile) always run.
 
 One benchmark times one operation, and pytest-benchmark's statistics are that operation's time:
@@ -37,7 +37,7 @@ ROWS: list[dict] = []
 
 @functools.lru_cache(maxsize=None)
 def gpu_unavailable_reason() -> str | None:
-    from kvcanary import driver
+    from kvcanary.runtime import driver
     return driver.unavailable_reason()
 
 
@@ -48,7 +48,8 @@ def gpu():
     if reason:
         pytest.skip(f"needs a GPU: {reason}")
     from cuda.bindings import driver as cu
-    from kvcanary import driver
+
+    from kvcanary.runtime import driver
     rt = driver.runtime(0)
     # As in an engine, where the framework keeps the primary context current on its thread.
     driver.check(cu.cuCtxSetCurrent(cu.CUcontext(rt.context)), "cuCtxSetCurrent")

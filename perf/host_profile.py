@@ -29,8 +29,9 @@ PREBUILT = 32
 def install():
     """The fake driver (no-op launches) and CPU torch tensors seen as cuda:0 arrays."""
     import pytest
+
+    from kvcanary.interop import arrays
     from tests.support import fake_cuda
-    from kvcanary import arrays
     mp = pytest.MonkeyPatch()
     fake = fake_cuda.install(mp)
     fake.cuLaunchKernel = fake.cuLaunchKernelEx = lambda *a: (fake_cuda.OK,)
@@ -97,7 +98,7 @@ def rows(torch, only):
             w = Work(torch, bs, prefix, extend)
             canary = w.canary()
             if how == "reused Batch":  # kvcanary DeviceArrays, as perf/workloads.py's batches
-                from kvcanary import memory
+                from kvcanary.runtime import memory
                 reused = kc.Batch(**{k: memory.to_device(t.numpy()) for k, t in w.fields.items()})
                 make = lambda b=reused: b  # noqa: E731
             elif how == "fresh Batch":

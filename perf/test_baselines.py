@@ -3,7 +3,7 @@
 - The identity-only verify of decode bs 256 x 4096 written with torch GPU ops (gather + splitmix
   on int64 + compare; no ring, no host sync) vs kvcanary's fused verify: target >= 80x faster.
   The torch version must find the workload clean, which checks its hashing against the kernels'.
-- The engine-facing ``kvcanary.manager.KvCanary`` (the FULL group's K and V halves over one
+- The engine-facing ``kvcanary.manager.canary.KvCanary`` (the FULL group's K and V halves over one
   pool, paired in each launch as the manager runs them): ``before_forward`` +
   ``after_forward`` eager and replayed from a ``torch.cuda.graph``, fused and plan designs,
   plus its host time per eager step vs launches x raw launch floor (target <= 1.3x; launches =
@@ -22,7 +22,7 @@ import pytest
 
 import kvcanary as kc
 from kvcanary import abi
-from kvcanary.hashing import ANCHOR_HASH, to_i64
+from kvcanary.reference.hashing import ANCHOR_HASH, to_i64
 
 from .clocks import gpu_timed
 from .workloads import DECODE_256, STEP_SHAPES, settle
@@ -84,9 +84,9 @@ def test_torch_ops_verify(report, workloads, timer, bounds):
 
 
 def make_manager(w, mode: str, fused: bool):
-    manager = pytest.importorskip("kvcanary.manager")
+    manager = pytest.importorskip("kvcanary.manager.canary")
     if not all(hasattr(manager, n) for n in ("KvCanary", "PoolGroup")):
-        pytest.skip("kvcanary.manager has no KvCanary/PoolGroup")
+        pytest.skip("kvcanary.manager.canary has no KvCanary/PoolGroup")
     sources = [] if mode == "identity" else [kc.RealKvSource(w.pool, 1, w.bytes_per_token)]
     canary = manager.KvCanary(manager.PoolGroup(w.num_slots, k_sources=sources, v_sources=sources),
                               device=0, hash_mode="none" if mode == "identity" else mode,

@@ -113,6 +113,7 @@ def setup_step(torch, bs: int, ctx: int, q_len: int = 1, seed: int = 0):
 
 def make_canary(model, bs: int, ctx: int, layers: str, setup, stream: int, fingerprint_every: int = 1):
     import types
+
     from kvcanary.adapters import sglang_canary
     pool = types.SimpleNamespace(k_buffer=model.k_pool, v_buffer=model.v_pool)
     canary = sglang_canary(pool, layers=layers, hash_mode="partial", mode="log", max_batch=bs,
@@ -156,7 +157,7 @@ def graphed(torch, model, step, bs, ctx, canary, batch, timer):
 def plain_launches():
     """Launches packed inside the block use no programmatic dependent launch (as KVCANARY_PDL=0):
     the A/B of the PDL rows, in one process."""
-    from kvcanary import driver
+    from kvcanary.runtime import driver
     rt = driver.runtime(0)
     old, rt.pdl = rt.pdl, False  # the runtime's launch configs are keyed by their PDL flag
     try:

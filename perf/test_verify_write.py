@@ -79,7 +79,7 @@ VERDICT_TARGET = ("<=", 1.02)  # issue 28: the verdicts add at most 2 % to the v
 
 def verdict_context(w, ctx) -> kc.VerifyContext:
     """``ctx`` (same buffer, sources, mode, tag) with a sink that keeps request verdicts (§5.7)."""
-    from kvcanary import memory
+    from kvcanary.runtime import memory
     sink = w.sink
     verdicts = kc.ViolationSink(*sink.arrays, verdicts=memory.zeros((w.bs,), "int64", 0),
                                 failed_requests=memory.zeros((1,), "int64", 0),

@@ -23,8 +23,8 @@ from typing import Callable
 import numpy as np
 from cuda.bindings import driver as cu
 
-from kvcanary import memory
-from kvcanary.driver import check
+from kvcanary.runtime import memory
+from kvcanary.runtime.driver import check
 
 from .clocks import GPU_CLOCK, EventClock
 

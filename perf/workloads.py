@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 import kvcanary as kc
-from kvcanary import abi, memory
-from kvcanary.driver import check
+from kvcanary import abi
+from kvcanary.runtime import memory
+from kvcanary.runtime.driver import check
 
 MODES = {"identity": abi.HashMode.NONE, "partial": abi.HashMode.PARTIAL, "all": abi.HashMode.ALL}
 RECORD, PRED, RTT, I64 = abi.SLOT_BYTES, 24, 4, 8

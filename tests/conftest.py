@@ -13,7 +13,7 @@ import pytest
 
 @functools.lru_cache(maxsize=None)
 def gpu_unavailable_reason() -> str | None:
-    from kvcanary import driver
+    from kvcanary.runtime import driver
     return driver.unavailable_reason()
 
 

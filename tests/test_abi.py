@@ -7,8 +7,9 @@ import re
 
 import pytest
 
-from kvcanary import abi, nvrtc_build as kc_compile
+from kvcanary import abi
 from kvcanary.errors import CompileError
+from kvcanary.runtime import nvrtc_build as kc_compile
 from tests.support.cubin import entry_points
 
 

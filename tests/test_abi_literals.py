@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 
-from kvcanary import nvrtc_build as kc_compile
+from kvcanary.runtime import nvrtc_build as kc_compile
 
 # ---- the allow-list ------------------------------------------------------------------------------
 # Numbers that are not kvcanary's: arithmetic identities and CUDA's warp. The warp size is CUDA's

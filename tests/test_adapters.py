@@ -17,12 +17,22 @@ import numpy as np
 import pytest
 
 import kvcanary as kc
-from kvcanary import abi, reference
-from kvcanary.adapters import (block_table_to_req_to_token, select_layers, sglang_batch, sglang_canary,
-                               sglang_groups, sglang_sources, vllm_batch, vllm_canary, vllm_layer_sources,
-                               vllm_pool_group)
-from kvcanary.hashing import sm
-from kvcanary.sources import marshal_sources
+from kvcanary import abi
+from kvcanary.adapters import (
+    block_table_to_req_to_token,
+    select_layers,
+    sglang_batch,
+    sglang_canary,
+    sglang_groups,
+    sglang_sources,
+    vllm_batch,
+    vllm_canary,
+    vllm_layer_sources,
+    vllm_pool_group,
+)
+from kvcanary.ops.sources import marshal_sources
+from kvcanary.reference import canary as reference
+from kvcanary.reference.hashing import sm
 
 ALL, PARTIAL = abi.HashMode.ALL, abi.HashMode.PARTIAL
 # SGLang's ForwardMode (forward_batch_info.py): the same members in the same order (IntEnum, auto()).

@@ -1,4 +1,4 @@
-"""CPU tests of kvcanary.arrays and kvcanary.dlpack: every input kind, ownership, byte views."""
+"""CPU tests of kvcanary.interop.arrays and kvcanary.interop.dlpack: every input kind, ownership, byte views."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kvcanary import dlpack
-from kvcanary.arrays import as_view, from_pointer
-from kvcanary.dtypes import resolve_dtype
-from kvcanary.sources import rows_view
 from kvcanary.errors import ValidationError, ValidationTypeError
+from kvcanary.interop import dlpack
+from kvcanary.interop.arrays import as_view, from_pointer
+from kvcanary.interop.dtypes import resolve_dtype
+from kvcanary.ops.sources import rows_view
 
 
 def addr(a: np.ndarray) -> int:
@@ -430,7 +430,7 @@ def test_uint8_2d_rejects_1d():
 
 # ---- state arrays --------------------------------------------------------------------------------
 def test_a_state_array_in_non_native_byte_order_is_named_so():
-    from kvcanary.state import checked
+    from kvcanary.ops.state import checked
     assert checked(np.zeros(3, np.int64), "ok", dtype=np.int64).shape == (3,)
     with pytest.raises(ValidationTypeError, match=r"be must have dtype int64, got int64 in non-native byte order "
                                                   r"\(>i8\)\. Fix: allocate it as int64"):
@@ -465,9 +465,9 @@ def test_core_modules_never_import_frameworks():
     import ast
     import pathlib
 
-    import kvcanary.arrays
-    import kvcanary.dtypes
-    for module in (kvcanary.arrays, kvcanary.dtypes, dlpack):
+    import kvcanary.interop.arrays
+    import kvcanary.interop.dtypes
+    for module in (kvcanary.interop.arrays, kvcanary.interop.dtypes, dlpack):
         tree = ast.parse(pathlib.Path(module.__file__).read_text())
         names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import)
                  for a in n.names}
@@ -485,7 +485,7 @@ def test_core_modules_never_import_frameworks():
 ])
 def test_a_stream_that_is_no_handle_is_refused(bad, kind, match):
     from kvcanary import errors
-    from kvcanary.streams import stream_handle
+    from kvcanary.runtime.streams import stream_handle
     with pytest.raises(getattr(errors, kind), match=match):
         stream_handle(bad)
     assert stream_handle(np.uint64(7)) == stream_handle(7) == 7

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from kvcanary import demo
+from kvcanary.cli import demo
 from kvcanary.errors import ValidationError, ValidationTypeError
 from kvcanary.sim import campaign, workers
 from kvcanary.sim.clean import clean_run, merge_clean_runs

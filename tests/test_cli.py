@@ -11,8 +11,8 @@ import sys
 import pytest
 
 import kvcanary
-from kvcanary import driver
 from kvcanary.__main__ import main, prog_name
+from kvcanary.runtime import driver
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}

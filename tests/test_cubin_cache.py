@@ -13,10 +13,9 @@ import warnings
 import pytest
 
 import kvcanary as kc
-
-from kvcanary import cubin_cache as kcache
-from kvcanary import nvrtc_build as kc_compile
-from kvcanary import parallel_compile as kc_parallel
+from kvcanary.runtime import cubin_cache as kcache
+from kvcanary.runtime import nvrtc_build as kc_compile
+from kvcanary.runtime import parallel_compile as kc_parallel
 
 BASE = dict(schema="s", kvcanary="0.1", nvrtc=(13, 0), arch=90, options=("-a",), prelude=b"p", sources=(("a.cu", b"x"),))
 
@@ -135,7 +134,7 @@ def test_archs_older_than_sm80_are_refused_in_one_line(monkeypatch):
 
 def test_a_gpu_older_than_sm80_is_refused_in_one_line_before_any_context(monkeypatch):
     """Catches an sm_75 device (a T4) reaching the compile of its arch at the first launch."""
-    from kvcanary import driver
+    from kvcanary.runtime import driver
     from tests.support import fake_cuda
     fake = fake_cuda.install(monkeypatch)
     attrs = fake_cuda.real.CUdevice_attribute
@@ -221,7 +220,7 @@ def test_archs_compile_in_parallel_processes_to_the_same_cubins(monkeypatch):
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a[0]) or real_popen(*a, **k))
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     got = dict(kc_parallel.compile_archs([80, 90], TINY, ""))
-    workers = [cmd[-1] for cmd in started if "kvcanary.parallel_compile" in cmd]
+    workers = [cmd[-1] for cmd in started if "kvcanary.runtime.parallel_compile" in cmd]
     assert sorted(got) == [80, 90] and workers == ["90"]
     for arch, cubin in got.items():
         assert cubin == kc_compile.compile_cubin(TINY, "", arch)

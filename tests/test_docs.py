@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from kvcanary import abi, demo
+from kvcanary import abi
+from kvcanary.cli import demo
+from kvcanary.reporting.violations import Violation
 from kvcanary.sim.faults import CLASSES, MODES, TITLES, coverage
-from kvcanary.violations import Violation
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -173,7 +174,13 @@ def test_the_readmes_cost_table_is_the_committed_runs():
     """Catches a README cost table that drifted from perf/RESULTS.md (it said +63 µs for layers="all"
     at 1 x 4096 where the committed run measured 32.8 µs). Regenerate: python perf/results.py --readme"""
     import json
-    from perf.results import COMMITTED, load_rows, readme_cost_table, readme_prefill_sentence
+
+    from perf.results import (
+        COMMITTED,
+        load_rows,
+        readme_cost_table,
+        readme_prefill_sentence,
+    )
     rows = load_rows(json.loads(COMMITTED["json"].read_text()))
     want = readme_cost_table(rows)
     lines = (ROOT / "README.md").read_text().splitlines()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvcanary as kc
-from kvcanary import reference_plan
+from kvcanary.reference import plan as reference_plan
 from tests.support.session import Session
 
 PREFILL = 40

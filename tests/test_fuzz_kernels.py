@@ -6,7 +6,7 @@ sources) lies in memory of its own whose end touches a PROT_NONE page, or, in th
 hypothesis draws, whose start follows one (tests/support/guarded.py says what that cannot catch). Each
 example runs in a forked child: an out-of-bounds access fails the test as "out-of-bounds access
 in <kernel>" with the example, never pytest. Oracle, in every example: no fault, and wherever the
-reference defines the outcome, byte equality with kvcanary.reference / reference_plan (called
+reference defines the outcome, byte equality with kvcanary.reference.canary / reference_plan (called
 directly: tests/support/fuzz_model.py) of every plan array, the canary buffer, the counters, the write
 index or claim, the skip counter and the ring rows (as a multiset). Where it does not (entry
 offsets that are not non-decreasing; write requests that stamp each other's slots, docs/format.md §7)
@@ -30,11 +30,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvcanary as kc
-from kvcanary import abi, driver, ops, reference_plan
+from kvcanary import abi, ops
 from kvcanary.errors import ValidationError
+from kvcanary.reference import plan as reference_plan
+from kvcanary.runtime import driver
 from tests.support import fuzz_cases as fc
 from tests.support import guarded
-from tests.support.fuzz_model import PLAN_ENTRIES, PLAN_WRITE, World, ref_expand, ref_fused, ref_verify, write_and_check
+from tests.support.fuzz_model import (
+    PLAN_ENTRIES,
+    PLAN_WRITE,
+    World,
+    ref_expand,
+    ref_fused,
+    ref_verify,
+    write_and_check,
+)
 
 SCALE = float(os.environ.get("KVCANARY_FUZZ_SCALE", "1"))
 

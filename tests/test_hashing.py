@@ -5,10 +5,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcanary import abi
-from kvcanary.hashing import (
-    ANCHOR_HASH, as_u64, mix3, mix3_np, sm, sm_np, to_i64, to_u64,
+from kvcanary.reference.canary import RefSource, fingerprint
+from kvcanary.reference.hashing import (
+    ANCHOR_HASH,
+    as_u64,
+    mix3,
+    mix3_np,
+    sm,
+    sm_np,
+    to_i64,
+    to_u64,
 )
-from kvcanary.reference import RefSource, fingerprint
 
 U64 = st.integers(0, 2**64 - 1)
 I64 = st.integers(-(2**63), 2**63 - 1)

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 import kvcanary as kc
-from kvcanary import abi, arrays, memory
+from kvcanary import abi
+from kvcanary.interop import arrays
+from kvcanary.runtime import memory
 
 D = memory.to_device
 
@@ -208,6 +210,7 @@ def test_torch_block_table_expansion_equals_the_table_by_hand():
 def test_sglang_decode_lengths_are_one_new_token_after_seq_minus_one():
     torch = pytest.importorskip("torch")
     import types
+
     from kvcanary.adapters import sglang_batch
     fb = types.SimpleNamespace(forward_mode=types.SimpleNamespace(name="DECODE"),
                                req_pool_indices=torch.tensor([1, 2]), seq_lens=torch.tensor([5, 9], dtype=torch.int32),
@@ -222,7 +225,8 @@ def test_sglang_decode_lengths_are_one_new_token_after_seq_minus_one():
 def test_only_kvcanary_arrays_replay_by_identity(fake, monkeypatch):
     """The same DeviceArray objects as the stage's last step skip the key (their address and layout
     are fixed for life); the same torch tensors are keyed again every stage."""
-    from kvcanary import packing, stages
+    from kvcanary.manager import stages
+    from kvcanary.ops import packing
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(arrays, "_torch_ordinal", lambda obj: 0)
     calls = []

@@ -15,11 +15,13 @@ import numpy as np
 import pytest
 
 import kvcanary as kc
-
-from kvcanary import abi, nvrtc_build as kc_compile, driver, launch, manager
+from kvcanary import abi
+from kvcanary.manager import canary as manager
+from kvcanary.runtime import driver, launch
+from kvcanary.runtime import nvrtc_build as kc_compile
 from tests.support import fake_cuda
-from tests.test_pump import make_canary, step, stream
 from tests.test_abi_literals import strip_comments_and_strings
+from tests.test_pump import make_canary, step, stream
 
 WAIT = "KVC_AFTER_PREVIOUS_GRID();"
 KERNEL = re.compile(r'extern\s+__global__[^{;]*\{')  # extern "C": the strings are blanked
@@ -113,7 +115,7 @@ def test_manager_launches_ask_for_pdl_where_wanted(monkeypatch, fake, env, major
 
 def test_many_source_verifies_launch_plain_and_the_rest_with_pdl(fake):
     """launch.PLAIN_KERNELS (the many-source verifies) never ask for PDL; the step's other launches do."""
-    from kvcanary import memory
+    from kvcanary.runtime import memory
     assert driver.runtime(0).pdl
     pool = memory.zeros((64, 1024), np.uint8)
     sources = [kc.RealKvSource(pool, 1, 1024, 1024) for _ in range(abi.MANY_SOURCES)]
@@ -134,8 +136,8 @@ def test_a_canary_step_given_no_stream_runs_on_the_stream_its_batch_was_staged_o
     """A VllmBatchStager's Batch names the stream it was staged on; a canary step given no stream
     launches there, after the staging (on another stream it could read the buffers before they are
     written)."""
-    from kvcanary import memory
     from kvcanary.adapters import VllmBatchStager
+    from kvcanary.runtime import memory
     D = memory.to_device
     stager = VllmBatchStager(max_reqs=2, max_tokens=2, max_len=8, block_size=4)
     canary = manager.KvCanary(manager.PoolGroup(64, halves=("K",)), device=0, hash_mode="none", max_batch=2,

@@ -258,7 +258,7 @@ def test_export_to_file(tmp_path):
     path = tmp_path / "canary.jsonl"
     s = Session()
     s.canary = None
-    from kvcanary.manager import KvCanary, PoolGroup
+    from kvcanary.manager.canary import KvCanary, PoolGroup
     c = KvCanary(PoolGroup(64), export=str(path), stats_every=1)
     z = np.zeros(1, np.int64)
     b = kc.Batch(np.ones(1, np.int64), z, np.ones(1, np.int64), np.ones((2, 4), np.int32), z, z, np.ones(1, np.int64))

@@ -1,4 +1,4 @@
-"""kvcanary.metrics: a CPU-backend KvCanary stepped clean, then with a flipped K byte, scraped
+"""kvcanary.reporting.metrics: a CPU-backend KvCanary stepped clean, then with a flipped K byte, scraped
 over HTTP from a running exporter; the conversion of cumulative stats into counters; labels;
 and that nothing of it is imported or run unless asked for.
 
@@ -23,7 +23,7 @@ FIRST_TOKENS = 3  # a 3-token prefill, then one decoded token per step
 
 
 def test_import_kvcanary_imports_no_metrics():
-    code = ("import sys, kvcanary; bad = [m for m in ('prometheus_client', 'kvcanary.metrics') if m in sys.modules];"
+    code = ("import sys, kvcanary; bad = [m for m in ('prometheus_client', 'kvcanary.reporting.metrics') if m in sys.modules];"
             " print(bad); sys.exit(bool(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -41,11 +41,11 @@ def registry(pc):
 
 @pytest.fixture
 def scrape(registry):
-    """GET /metrics of an exporter started with kvcanary.metrics.start_http_server on a free port;
+    """GET /metrics of an exporter started with kvcanary.reporting.metrics.start_http_server on a free port;
     returns {(name, labels): value} of the samples, parsed by prometheus_client's own parser."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from kvcanary.metrics import start_http_server
+    from kvcanary.reporting.metrics import start_http_server
     server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
     url = f"http://127.0.0.1:{server.server_port}/metrics"
 
@@ -95,7 +95,7 @@ def verified(prefixes) -> int:
 
 
 def test_scraped_counters_follow_clean_steps_and_a_flipped_kv_byte(registry, scrape, caplog):
-    from kvcanary.metrics import PrometheusMetrics
+    from kvcanary.reporting.metrics import PrometheusMetrics
     engine = Engine()
     stats = []
     PrometheusMetrics(engine.canary, registry=registry, labels={"tp_rank": "0"})
@@ -147,7 +147,7 @@ def stats_record(**values) -> dict:
 
 
 def test_cumulative_stats_become_counter_increments_that_never_decrease(registry):
-    from kvcanary.metrics import PrometheusMetrics
+    from kvcanary.reporting.metrics import PrometheusMetrics
     fake = FakeCanary()
     PrometheusMetrics(fake, registry=registry)
     value = lambda name: registry.get_sample_value(name)  # noqa: E731
@@ -168,7 +168,7 @@ def test_cumulative_stats_become_counter_increments_that_never_decrease(registry
 
 
 def test_a_row_with_two_reasons_counts_once_per_reason_and_once_as_a_record(registry):
-    from kvcanary.metrics import PrometheusMetrics
+    from kvcanary.reporting.metrics import PrometheusMetrics
     fake = FakeCanary()
     PrometheusMetrics(fake, registry=registry)
     row = {"type": "violation", "launch_tag": "HEAD_V_FULL", "fail_reason": ["verify_chain_hash", "verify_position"],
@@ -188,7 +188,7 @@ def test_a_row_with_two_reasons_counts_once_per_reason_and_once_as_a_record(regi
 
 
 def test_canaries_share_a_registry_through_labels(registry):
-    from kvcanary.metrics import PrometheusMetrics
+    from kvcanary.reporting.metrics import PrometheusMetrics
     ranks = [FakeCanary(), FakeCanary()]
     for i, fake in enumerate(ranks):
         PrometheusMetrics(fake, registry=registry, labels={"tp_rank": str(i)})
@@ -203,13 +203,13 @@ def test_canaries_share_a_registry_through_labels(registry):
 @pytest.mark.parametrize("labels,error", [({"tag": "x"}, ValidationError), ({"rank": 0}, ValidationTypeError),
                                           (["rank"], ValidationTypeError)])
 def test_bad_labels_are_refused(registry, labels, error):
-    from kvcanary.metrics import PrometheusMetrics
+    from kvcanary.reporting.metrics import PrometheusMetrics
     with pytest.raises(error, match=r"^kv-canary: .*Fix:"):
         PrometheusMetrics(FakeCanary(), registry=registry, labels=labels)
 
 
 def test_bad_arguments_are_refused(registry):
-    from kvcanary.metrics import PrometheusMetrics, start_http_server
+    from kvcanary.reporting.metrics import PrometheusMetrics, start_http_server
     with pytest.raises(ValidationTypeError, match=r"^kv-canary: .*got object.*Fix:"):
         PrometheusMetrics(object(), registry=registry)
     with pytest.raises(ValidationTypeError, match=r"^kv-canary: port must be an int.*Fix:"):
@@ -219,7 +219,7 @@ def test_bad_arguments_are_refused(registry):
 
 
 def test_without_prometheus_client_the_error_says_what_to_install(monkeypatch):
-    from kvcanary import metrics
+    from kvcanary.reporting import metrics
     monkeypatch.setitem(sys.modules, "prometheus_client", None)  # makes the import fail
     with pytest.raises(metrics.MetricsUnavailableError, match=r"^kv-canary: .*Fix: pip install 'kvcanary\[metrics\]'"):
         metrics.PrometheusMetrics(FakeCanary())
@@ -227,7 +227,7 @@ def test_without_prometheus_client_the_error_says_what_to_install(monkeypatch):
 
 
 def test_self_tests_count_as_a_heartbeat_not_as_violations(registry, scrape):
-    from kvcanary.metrics import PrometheusMetrics
+    from kvcanary.reporting.metrics import PrometheusMetrics
     engine = Engine(self_test_every=2)
     PrometheusMetrics(engine.canary, registry=registry, labels={"tp_rank": "0"})
     for _ in range(5):

@@ -21,9 +21,10 @@ import numpy as np
 import pytest
 
 import kvcanary as kc
-from kvcanary import abi, driver, memory
-from kvcanary.launch import Launch
-from kvcanary.manager import KvCanary, PoolGroup
+from kvcanary import abi
+from kvcanary.manager.canary import KvCanary, PoolGroup
+from kvcanary.runtime import driver, memory
+from kvcanary.runtime.launch import Launch
 from tests.support import fake_cuda
 from tests.support.fake_cuda import OK, real
 

@@ -4,8 +4,13 @@ import numpy as np
 import pytest
 
 from kvcanary.abi import SEED_INVALID, BatchField, FailReason
-from kvcanary.reference import verify, write
-from kvcanary.reference_plan import VerifyPlanArrays, WritePlanArrays, build_plan, fill_plan
+from kvcanary.reference.canary import verify, write
+from kvcanary.reference.plan import (
+    VerifyPlanArrays,
+    WritePlanArrays,
+    build_plan,
+    fill_plan,
+)
 
 
 def rtt_of(rows):

@@ -12,7 +12,7 @@ import pytest
 
 import kvcanary as kc
 from kvcanary import abi
-from kvcanary.pump import DEPTH, SnapshotFifo
+from kvcanary.reporting.pump import DEPTH, SnapshotFifo
 from tests.support import fake_cuda
 
 
@@ -82,8 +82,8 @@ def fake(monkeypatch):
 
 
 def make_canary(**kw):
-    from kvcanary import memory
-    from kvcanary.manager import KvCanary, PoolGroup
+    from kvcanary.manager.canary import KvCanary, PoolGroup
+    from kvcanary.runtime import memory
     records = []
     canary = KvCanary(PoolGroup(64, halves=("K",)), device=0, hash_mode="none", max_batch=2,
                       verify_capacity=256, export=records.append, **kw)
@@ -137,7 +137,7 @@ def test_a_k_and_v_group_steps_in_paired_launches(fake, fused):
     """The K and V halves share each write and each fused verify launch (docs/format.md §7): a
     step of a K + V group is 6 launches, not 10; HEAD V takes no chain source (the same launch
     stamps HEAD K), TAIL's halves take HEAD K's."""
-    from kvcanary.manager import KvCanary, PoolGroup
+    from kvcanary.manager.canary import KvCanary, PoolGroup
     _, batch, _ = make_canary()
     canary = KvCanary(PoolGroup(64), device=0, hash_mode="none", max_batch=2, verify_capacity=256, fused=fused)
     s = stream(fake)
@@ -220,7 +220,7 @@ def test_arrays_collected_during_a_capture_are_freed_after_it(fake):
     at flush, once no capture is running."""
     import gc
 
-    from kvcanary import memory
+    from kvcanary.runtime import memory
     canary, batch, _ = make_canary()
     s = stream(fake)
     step(canary, batch, s)
@@ -264,7 +264,7 @@ class SameMemory:
 def test_launches_are_repacked_only_when_a_batch_layout_changes(fake):
     """New arrays of the same layout (an engine's fresh tensors every step) replay the packed
     launches with their addresses patched in; another shape, dtype, scalar or aliasing repacks."""
-    from kvcanary import memory
+    from kvcanary.runtime import memory
     canary, batch, _ = make_canary()
     s = stream(fake)
     step(canary, batch, s)
@@ -305,8 +305,8 @@ def test_launches_are_repacked_only_when_a_batch_layout_changes(fake):
     ("all", 1024, "kvc_fused_verify_wide", 128),      # >= 64 bytes: warp-cooperative fetch
 ])
 def test_verify_kernel_follows_the_fingerprinted_bytes(fake, hash_mode, read_bytes, tail_verify, block):
-    from kvcanary import memory
-    from kvcanary.manager import KvCanary, PoolGroup
+    from kvcanary.manager.canary import KvCanary, PoolGroup
+    from kvcanary.runtime import memory
     pool = memory.zeros((64, 1024), np.uint8)
     canary = KvCanary(PoolGroup(64, k_sources=[kc.RealKvSource(pool, 1, 1024, read_bytes)], halves=("K",)),
                       device=0, hash_mode=hash_mode, max_batch=2, verify_capacity=4096)
@@ -324,7 +324,8 @@ def test_verify_kernel_follows_the_fingerprinted_bytes(fake, hash_mode, read_byt
 def test_verify_grid_is_one_resident_wave_at_most(fake, capacity, wide):
     """The kernel follows the fingerprinted bytes only (no layout guessed from the batch size);
     the grid is the driver's occupancy x SMs, never more blocks than the plan has tiles."""
-    from kvcanary import driver, prepare
+    from kvcanary.ops import bind as prepare
+    from kvcanary.runtime import driver
     rt = driver.runtime(0)
     hash_bytes = (16, 1024) if wide else (16,)
     for base in ("kvc_verify", "kvc_fused_verify"):
@@ -337,8 +338,9 @@ def test_verify_grid_is_one_resident_wave_at_most(fake, capacity, wide):
 def test_a_batch_size_that_cycles_through_many_values_is_packed_once_per_size(fake, monkeypatch):
     """An engine's decode batch size takes many values in turn (requests finish and join): each
     layout is validated and packed once, not again every time it comes back (up to LAYOUTS_KEPT)."""
-    from kvcanary import memory, stages
-    from kvcanary.manager import KvCanary, PoolGroup
+    from kvcanary.manager import stages
+    from kvcanary.manager.canary import KvCanary, PoolGroup
+    from kvcanary.runtime import memory
     canary = KvCanary(PoolGroup(64, halves=("K",)), device=0, hash_mode="none", max_batch=40, verify_capacity=256)
     packs = []
     real_pack = stages.StageLaunches.pack

@@ -10,8 +10,8 @@ import pytest
 
 import kvcanary as kc
 from kvcanary import FailReason
-from kvcanary.manager import KvCanary, PoolGroup
-from kvcanary.records import CanaryRecords
+from kvcanary.manager.canary import KvCanary, PoolGroup
+from kvcanary.ops.records import CanaryRecords
 
 N, BPT, LEN = 96, 32, 6
 

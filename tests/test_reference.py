@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcanary.abi import PREV_ON_PADDING, FailReason, LaunchTag
-from kvcanary.hashing import mix3, slot_hash, sm, to_i64
-from kvcanary.reference import RefSource, fingerprint, ring_append, verify, write
+from kvcanary.reference.canary import RefSource, fingerprint, ring_append, verify, write
+from kvcanary.reference.hashing import mix3, slot_hash, sm, to_i64
 
 CHAIN = int(FailReason.VERIFY_CHAIN_HASH_MISMATCH)
 POSITION = int(FailReason.VERIFY_POSITION_MISMATCH)

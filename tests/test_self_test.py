@@ -10,8 +10,8 @@ import pytest
 
 import kvcanary as kc
 from kvcanary import abi
-from kvcanary.manager import Key
-from tests.support.session import N, SCRIPT, Session
+from kvcanary.manager.canary import Key
+from tests.support.session import SCRIPT, N, Session
 from tests.test_manager import _wrong_position, _wrong_rtt
 
 STEPS = sum(not isinstance(item, str) for item in SCRIPT)  # engine steps of the scripted session
@@ -66,7 +66,7 @@ def test_a_record_that_no_longer_looks_bad_fails_the_health_check():
 
 
 def test_a_lost_self_test_row_fails_the_health_check(monkeypatch):
-    from kvcanary import reference
+    from kvcanary.reference import canary as reference
     s = Session(self_test_every=2)
     s.play(stop_after=1)
     s.canary.health_check()
@@ -100,8 +100,8 @@ def test_the_self_tests_stat_and_counter_count_rows_seen_not_rows_due(monkeypatc
     would keep rising after the detector died. Here the check stops writing its rows after the
     first two steps (one row seen); rows keep falling due, the stat and the counter stay at 1."""
     prometheus_client = pytest.importorskip("prometheus_client")
-    from kvcanary import reference
-    from kvcanary.metrics import PrometheusMetrics
+    from kvcanary.reference import canary as reference
+    from kvcanary.reporting.metrics import PrometheusMetrics
     s = Session(self_test_every=2)
     registry = prometheus_client.CollectorRegistry()
     PrometheusMetrics(s.canary, registry=registry)

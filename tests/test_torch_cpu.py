@@ -35,8 +35,8 @@ def test_any_kv_dtype_is_fingerprinted_as_bytes(dtype):
     t = torch.from_numpy(raw.copy()).view(getattr(torch, dtype))
     src_t, src_n = kc.source_from_slots(t), kc.source_from_slots(raw)
     assert src_t.num_bytes_per_token == src_n.num_bytes_per_token == 128
-    from kvcanary.reference import RefSource, fingerprint
-    from kvcanary.sources import marshal_sources
+    from kvcanary.ops.sources import marshal_sources
+    from kvcanary.reference.canary import RefSource, fingerprint
     (mt,), (mn,) = marshal_sources([src_t], abi.HashMode.ALL, 128), marshal_sources([src_n], abi.HashMode.ALL, 128)
     assert mt.view.ptr == t.data_ptr()  # no copy: the live pool is read
     slots = np.arange(128)

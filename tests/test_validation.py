@@ -8,7 +8,7 @@ import pytest
 import kvcanary as kc
 from kvcanary import abi
 from kvcanary.errors import ValidationError, ValidationTypeError
-from kvcanary.sources import marshal_sources
+from kvcanary.ops.sources import marshal_sources
 
 POOL = np.zeros((64, 256), np.uint8)
 
@@ -159,7 +159,7 @@ def test_arrays_on_two_devices_are_rejected():
 
 
 def test_validation_never_touches_the_driver(monkeypatch):
-    from kvcanary import driver
+    from kvcanary.runtime import driver
     monkeypatch.setattr(driver, "init", lambda: (_ for _ in ()).throw(AssertionError("driver touched")))
     test_marshal_2d_rule_is_the_seed_message()
     test_write_argument_rules()

@@ -9,7 +9,7 @@ import pytest
 
 import kvcanary as kc
 from kvcanary import abi
-from kvcanary.verdicts import FailedRequest
+from kvcanary.reporting.verdicts import FailedRequest
 from tests.support.session import Session
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from kvcanary import abi
 from kvcanary.errors import ValidationError, ValidationTypeError
-from kvcanary.violations import Violation, decode_ring
+from kvcanary.reporting.violations import Violation, decode_ring
 
 
 def row(tag=2, slot=7, pos=3, tok=11, exp=-1, chain=-1, aux=0x1234, bits=3):

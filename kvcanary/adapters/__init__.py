@@ -1,8 +1,8 @@
 """Engine adapters: point kvcanary at the KV pool an engine already has.
 
 Each adapter is duck-typed on the engine's objects and imports no engine package (and never torch
-at import time): it builds the :class:`~kvcanary.manager.PoolGroup` s and
-:class:`~kvcanary.RealKvSource` s of a pool, a ready :class:`~kvcanary.manager.KvCanary`, and the
+at import time): it builds the :class:`~kvcanary.manager.canary.PoolGroup` s and
+:class:`~kvcanary.RealKvSource` s of a pool, a ready :class:`~kvcanary.manager.canary.KvCanary`, and the
 per-step :class:`~kvcanary.Batch` from the engine's metadata, on the engine's device.
 
 - :mod:`.sglang`: SGLang-style MHA / MLA / hybrid SWA pools, with scale tensors of quantised pools;
@@ -18,14 +18,33 @@ Which layers are fingerprinted is chosen with ``layers=``: None/"first" (default
 """
 
 from .common import select_layers
-from .failures import FailedRequests, RequestFailure, sglang_request_ids, vllm_request_ids
-from .sglang import (is_swa_pool, sglang_batch, sglang_canary, sglang_groups, sglang_pool_group,
-                     sglang_sources)
-from .transformers_paged import StepInfo, TransformersCanary
-from .vllm import (block_table_to_req_to_token, vllm_batch, vllm_batch_from_metadata, vllm_canary,
-                   vllm_layer_layout, vllm_layer_sources, vllm_metadata, vllm_pool_group)
-from .vllm_layout import KV_CACHE_LAYOUTS
+from .failures import (
+                     FailedRequests,
+                     RequestFailure,
+                     sglang_request_ids,
+                     vllm_request_ids,
+)
+from .sglang import (
+                     is_swa_pool,
+                     sglang_batch,
+                     sglang_canary,
+                     sglang_groups,
+                     sglang_pool_group,
+                     sglang_sources,
+)
 from .stage import PagedBatchStager, VllmBatchStager
+from .transformers_paged import StepInfo, TransformersCanary
+from .vllm import (
+                     block_table_to_req_to_token,
+                     vllm_batch,
+                     vllm_batch_from_metadata,
+                     vllm_canary,
+                     vllm_layer_layout,
+                     vllm_layer_sources,
+                     vllm_metadata,
+                     vllm_pool_group,
+)
+from .vllm_layout import KV_CACHE_LAYOUTS
 
 __all__ = [
     "select_layers", "is_swa_pool", "sglang_batch", "sglang_canary", "sglang_groups", "sglang_pool_group",

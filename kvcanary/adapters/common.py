@@ -16,10 +16,10 @@ from typing import Sequence
 import numpy as np
 
 from .. import abi
-from ..arrays import as_view
-from ..errors import ValidationError, ValidationTypeError
 from ..config import CanaryConfig
-from ..sources import resolved
+from ..errors import ValidationError, ValidationTypeError
+from ..interop.arrays import as_view
+from ..ops.sources import resolved
 from ..validate import fail, integer, is_int
 
 _LAYERS = "None, 'first', 'all', an int or a list of ints"

@@ -24,13 +24,14 @@ from collections import OrderedDict
 
 import numpy as np
 
-from .. import abi, driver, memory, streams
-from ..arrays import ArrayView, as_view
+from .. import abi
 from ..errors import ValidationError, ValidationTypeError
-from ..launch import Launch
-from ..packing import KEPT, PackCache, arg_keys
-from ..plan import Batch
-from ..sources import resolved
+from ..interop.arrays import ArrayView, as_view
+from ..ops.batch import Batch
+from ..ops.packing import KEPT, PackCache, arg_keys
+from ..ops.sources import resolved
+from ..runtime import driver, memory, streams
+from ..runtime.launch import Launch
 from ..validate import integer
 from .vllm import step_requests
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .. import abi
-from ..arrays import ArrayView
-from ..plan import Batch
+from ..interop.arrays import ArrayView
+from ..ops.batch import Batch
 from .stage import PagedBatchStager
 
 

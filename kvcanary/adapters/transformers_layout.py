@@ -26,9 +26,9 @@ import re
 
 import numpy as np
 
-from ..arrays import as_view, from_pointer
 from ..errors import ValidationError
-from ..sources import RealKvSource, resolved
+from ..interop.arrays import as_view, from_pointer
+from ..ops.sources import RealKvSource, resolved
 from .common import require_attr, select_layers
 
 #: transformers releases the adapter supports (the ``kvcanary[transformers]`` extra pins the same).

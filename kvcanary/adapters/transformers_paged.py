@@ -26,9 +26,10 @@ from contextlib import nullcontext
 from time import perf_counter
 
 from ..errors import ValidationError, ValidationTypeError
-from ..manager import KvCanary, PoolGroup
-from ..reporting import MODES
-from ..validate import boolean, callable_or_none, choice, fail, hash_mode as parse_hash_mode
+from ..manager.canary import KvCanary, PoolGroup
+from ..reporting.outputs import MODES
+from ..validate import boolean, callable_or_none, choice, fail
+from ..validate import hash_mode as parse_hash_mode
 from .common import canary_kwargs, check_layers
 from .transformers_batch import Scheduled, StepBatches, StepInfo, tokens
 from .transformers_fail import RequestFailer, check_engine

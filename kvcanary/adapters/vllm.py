@@ -25,14 +25,26 @@ import sys
 
 import numpy as np
 
-from ..arrays import as_view
 from ..errors import ValidationError, ValidationTypeError
-from ..manager import KvCanary, PoolGroup
-from ..plan import Batch
-from ..sources import resolved
+from ..interop.arrays import as_view
+from ..manager.canary import KvCanary, PoolGroup
+from ..ops.batch import Batch
+from ..ops.sources import resolved
 from ..validate import boolean, fail, integer, is_int, optional_integer
-from .common import (arange, astype, canary_kwargs, check_sizes, device_ordinal, framework, is_plain_int_tensor,
-                     kept_tensors, require_attr, select_layers, where, zeros)
+from .common import (
+    arange,
+    astype,
+    canary_kwargs,
+    check_sizes,
+    device_ordinal,
+    framework,
+    is_plain_int_tensor,
+    kept_tensors,
+    require_attr,
+    select_layers,
+    where,
+    zeros,
+)
 from .vllm_layout import detect
 
 

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..arrays import from_pointer
 from ..errors import ValidationError, ValidationTypeError
-from ..sources import RealKvSource
+from ..interop.arrays import from_pointer
+from ..ops.sources import RealKvSource
 
 #: vLLM's ``KVCacheLayout`` members -> physical order (outer to inner) of a layer view's
 #: [B, H, N] dims (0 = blocks, 1 = heads, 2 = tokens; C is innermost in every member).

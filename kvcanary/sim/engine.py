@@ -16,14 +16,14 @@ from collections import Counter
 
 import numpy as np
 
-from kvcanary import memory
 from kvcanary.errors import BatchValueError, CanaryViolationError
-from kvcanary.manager import KvCanary, PoolGroup
-from kvcanary.plan import Batch
+from kvcanary.manager.canary import KvCanary, PoolGroup
+from kvcanary.ops.batch import Batch
+from kvcanary.runtime import memory
 
-from .prefix_cache import Cache
-from .kvpool import Pool, make_specs, sync
 from .data import Lanes, Read, Req, SimConfig, lane_keys, seq_keys
+from .kvpool import Pool, make_specs, sync
+from .prefix_cache import Cache
 
 
 class NoFault:

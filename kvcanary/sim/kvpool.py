@@ -4,7 +4,7 @@ the canary records that must travel with KV when it moves between slots.
 A :class:`Pool` owns named tensors ``[num_slots // page_size, page_size * bytes_per_token]`` uint8
 (one row per page, slot s at byte ``(s % page_size) * bytes_per_token`` of row ``s // page_size``).
 On the CPU backend the numpy array *is* the pool the canary fingerprints. On the GPU backend the
-pool lives in a :class:`kvcanary.memory.DeviceArray` and the numpy array is a host mirror: every
+pool lives in a :class:`kvcanary.runtime.memory.DeviceArray` and the numpy array is a host mirror: every
 write goes to the mirror and :meth:`Pool.upload` copies changed tensors to the device before the
 canary reads them (no torch needed).
 """
@@ -15,9 +15,9 @@ import zlib
 
 import numpy as np
 
-from kvcanary import driver, memory
-from kvcanary.hashing import sm_np
-from kvcanary.sources import RealKvSource
+from kvcanary.ops.sources import RealKvSource
+from kvcanary.reference.hashing import sm_np
+from kvcanary.runtime import driver, memory
 
 _GOLD = np.uint64(0x9E3779B97F4A7C15)
 _TOK = np.uint64(0xD6E8FEB86659FD93)

@@ -19,7 +19,7 @@ import threading
 from pathlib import Path
 
 from kvcanary import abi
-from kvcanary.nvrtc_build import kernels_dir, read_sources
+from kvcanary.runtime.nvrtc_build import kernels_dir, read_sources
 
 HERE = Path(__file__).resolve().parent
 COMPILER = os.environ.get("CXX", "g++")

@@ -9,10 +9,34 @@ from types import SimpleNamespace as SN
 import numpy as np
 
 import kvcanary as kc
-from kvcanary.adapters import (block_table_to_req_to_token, select_layers, sglang_batch, sglang_canary, sglang_groups,
-                               sglang_pool_group, sglang_sources, vllm_batch, vllm_batch_from_metadata, vllm_canary,
-                               vllm_layer_layout, vllm_metadata, vllm_pool_group)
-from tests.support.bad_inputs import ERR, INTS, N, OK, TYPE, canary, i64, pool, row, rows, rtt
+from kvcanary.adapters import (
+    block_table_to_req_to_token,
+    select_layers,
+    sglang_batch,
+    sglang_canary,
+    sglang_groups,
+    sglang_pool_group,
+    sglang_sources,
+    vllm_batch,
+    vllm_batch_from_metadata,
+    vllm_canary,
+    vllm_layer_layout,
+    vllm_metadata,
+    vllm_pool_group,
+)
+from tests.support.bad_inputs import (
+    ERR,
+    INTS,
+    OK,
+    TYPE,
+    N,
+    canary,
+    i64,
+    pool,
+    row,
+    rows,
+    rtt,
+)
 
 # ---- arrays: as_view and from_pointer ----------------------------------------------------------------------
 BUF = np.zeros(256, np.uint8)  # host memory the from_pointer rows describe (kept alive by the module)
@@ -245,7 +269,8 @@ rows("adapters.TransformersCanary", lambda kw: tc(**kw),
 # ---- metrics --------------------------------------------------------------------------------------------------------
 def metrics(**kw):
     import prometheus_client
-    from kvcanary.metrics import PrometheusMetrics
+
+    from kvcanary.reporting.metrics import PrometheusMetrics
     kw.setdefault("registry", prometheus_client.CollectorRegistry())
     return PrometheusMetrics(kw.pop("canary") if "canary" in kw else canary(), **kw)
 
@@ -259,7 +284,7 @@ rows("metrics.PrometheusMetrics", lambda kw: metrics(**kw),
 
 
 def serve(port=0, addr="127.0.0.1"):
-    from kvcanary.metrics import start_http_server
+    from kvcanary.reporting.metrics import start_http_server
     server, _ = start_http_server(port, addr=addr)
     server.shutdown()
     server.server_close()

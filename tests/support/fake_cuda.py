@@ -237,7 +237,7 @@ class FakeDriver:
 def install(monkeypatch) -> FakeDriver:
     """Route kvcanary's driver layer to a fresh FakeDriver until ``monkeypatch`` is undone; call
     :func:`release` before that."""
-    from kvcanary import driver
+    from kvcanary.runtime import driver
     fake = FakeDriver()
     monkeypatch.setattr(driver, "_driver", lambda: fake)
     monkeypatch.setattr(driver, "_initialised", False)
@@ -249,7 +249,7 @@ def release(fake: FakeDriver) -> None:
     """Disarm the fake runtimes before ``monkeypatch`` is undone: whatever still holds fake memory
     (e.g. objects kept by a failed test's traceback) frees it later through its runtime's
     ``call``, which must then never hand a fake pointer or context to a real driver."""
-    from kvcanary import driver, memory
+    from kvcanary.runtime import driver, memory
     gc.collect()
     memory.release_pending()  # frees waiting for a point outside a capture: this fake's, now
     for rt in driver._runtimes.values():

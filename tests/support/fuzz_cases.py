@@ -15,8 +15,10 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
-from kvcanary import abi, reference, reference_plan
+from kvcanary import abi
 from kvcanary.abi import HashMode
+from kvcanary.reference import canary as reference
+from kvcanary.reference import plan as reference_plan
 
 I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
 I32_MIN, I32_MAX = -(1 << 31), (1 << 31) - 1

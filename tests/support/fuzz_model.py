@@ -1,7 +1,7 @@
 """One fuzz example's state twice: in guarded "device" memory, which the emulated kernels run on
 through kvcanary.ops, and as host copies, which the reference runs on (tests only).
 
-The reference is called directly (kvcanary.reference / reference_plan), never through kvcanary.ops
+The reference is called directly (kvcanary.reference.canary / reference_plan), never through kvcanary.ops
 on host arrays: ops rejects hostile host values before anything runs, by design, while the device
 path must take them and report. :class:`World` builds both sides from one description (plain
 numpy arrays and ints) and compares them: every plan array byte for byte, the canary buffer, the
@@ -17,8 +17,10 @@ from collections import Counter
 import numpy as np
 
 import kvcanary as kc
-from kvcanary import abi, reference, reference_plan
-from kvcanary.reference import RefSource
+from kvcanary import abi
+from kvcanary.reference import canary as reference
+from kvcanary.reference import plan as reference_plan
+from kvcanary.reference.canary import RefSource
 from tests.support.guarded import Arena
 
 PLAN_ENTRIES = ("slot", "expected_token", "expected_position", "prev_slot")

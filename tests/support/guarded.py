@@ -30,7 +30,7 @@ import traceback
 
 import numpy as np
 
-from kvcanary.arrays import from_pointer
+from kvcanary.interop.arrays import from_pointer
 
 PAGE = mmap.PAGESIZE
 PROT_NONE = 0  # <sys/mman.h> (the mmap module exports only PROT_READ, PROT_WRITE, PROT_EXEC)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 import kvcanary as kc
-from kvcanary.manager import KvCanary, PoolGroup
+from kvcanary.manager.canary import KvCanary, PoolGroup
 
 N, ROWS, MAXLEN, BYTES = 512, 8, 64, 64
 
@@ -38,7 +38,7 @@ class Session:
     def _dev(self, a):
         if self.device is None:
             return a
-        from kvcanary import memory
+        from kvcanary.runtime import memory
         return memory.to_device(a, self.device)
 
     def _kv(self, token, pos, layer):

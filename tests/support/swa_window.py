@@ -23,7 +23,7 @@ def run(device, hash_mode: str, layers: int, zero_position: int, fused: bool = T
     predecessor, outside the window."""
     rng = np.random.default_rng(layers)
     pools = {h: [rng.integers(0, 256, (N, BYTES), dtype=np.uint8) for _ in range(layers)] for h in "kv"}
-    dev = (lambda a: a) if device is None else (lambda a: kc.memory.to_device(a, device))
+    dev = (lambda a: a) if device is None else (lambda a: kc.runtime.memory.to_device(a, device))
     dpools = {h: [dev(p) for p in ps] for h, ps in pools.items()}
     src = lambda ps: [kc.RealKvSource(p, 1, BYTES) for p in ps]  # noqa: E731
     swa_map = np.arange(N, dtype=np.int64)  # SWA slot = full slot; 0 is the padding slot

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import kvcanary as kc
-from kvcanary import abi, memory
+from kvcanary import abi
+from kvcanary.runtime import memory
 from tests.support import workloads
 
 pytestmark = pytest.mark.gpu

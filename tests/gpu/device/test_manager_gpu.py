@@ -6,13 +6,12 @@ poll after the device finished, and graph capture with snapshots in flight (the 
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
 import kvcanary as kc
-from kvcanary import driver, memory
-from kvcanary.pump import DEPTH
+from kvcanary.reporting.pump import DEPTH
+from kvcanary.runtime import driver, memory
 from tests.support import session as sess_mod
 from tests.support.session import Session, host_buffers, violation_key
 from tests.test_manager import _wrong_rtt
@@ -121,7 +120,7 @@ def test_session_replayed_from_cuda_graphs_equals_eager():
 # ---- the pump -------------------------------------------------------------------------------------
 def small_canary(**kw):
     """One group, K half, a one-request batch that re-stamps slot 5 each step (always clean)."""
-    from kvcanary.manager import KvCanary, PoolGroup
+    from kvcanary.manager.canary import KvCanary, PoolGroup
     records = []
     canary = KvCanary(PoolGroup(64, halves=("K",)), device=0, hash_mode="none", max_batch=2,
                       verify_capacity=64, export=records.append, stats_every=1, **kw)

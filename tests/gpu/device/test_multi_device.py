@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvcanary import driver, memory
+from kvcanary.runtime import driver, memory
 from tests.support import workloads
 
 pytestmark = pytest.mark.gpu
@@ -37,8 +37,9 @@ def test_workloads_on_every_device_from_threads():
 def test_manager_on_the_last_device_equals_reference(fault):
     """The step API, the snapshot pump (mapped pinned memory written by a kernel of that device)
     and the report path on a device other than 0."""
-    from tests.support.session import host_buffers as buffers, violation_key as key
     from tests.support.session import Session
+    from tests.support.session import host_buffers as buffers
+    from tests.support.session import violation_key as key
     from tests.test_manager import _flip_kv
     n = driver.device_count()
     if n < 2:

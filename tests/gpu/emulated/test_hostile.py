@@ -15,8 +15,11 @@ import numpy as np
 import pytest
 
 import kvcanary as kc
-from kvcanary import abi, memory, reference, reference_plan
-from kvcanary.reference import RefSource
+from kvcanary import abi
+from kvcanary.reference import canary as reference
+from kvcanary.reference import plan as reference_plan
+from kvcanary.reference.canary import RefSource
+from kvcanary.runtime import memory
 
 pytestmark = [pytest.mark.gpu, pytest.mark.emulated]  # no GPU: kernels run in tests/emu
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 import kvcanary as kc
-from kvcanary import abi, driver, memory
+from kvcanary import abi
+from kvcanary.runtime import driver, memory
 from tests.support import workloads
 
 pytestmark = [pytest.mark.gpu, pytest.mark.emulated]  # no GPU: kernels run in tests/emu
@@ -280,7 +281,7 @@ def test_ring_fills_once_across_launches():
 def test_ring_window_after_the_consumed_mark():
     """The manager's window: with a 64-bit claim and a consumed mark, row i lands at i % capacity
     iff i - consumed < capacity; rows before the mark may be reused, unread ones never are."""
-    from kvcanary import memory
+    from kvcanary.runtime import memory
     base = kc.ViolationSink.allocate(4, device=0)
     claim, consumed = memory.zeros((1,), np.int64), memory.zeros((1,), np.int64)
     sink = kc.ViolationSink(*base.arrays, claim=claim, consumed=consumed)

@@ -10,11 +10,15 @@ import numpy as np
 import pytest
 
 import kvcanary as kc
-from kvcanary import memory
-from kvcanary.pump import DEPTH, Pump
+from kvcanary.reporting.pump import DEPTH, Pump
+from kvcanary.runtime import memory
 from tests.support import swa_window
 from tests.support.session import Session, host_buffers, violation_key
-from tests.test_fingerprint_budget import BOUNDARY_CASES, budget_by_hand, reported_positions
+from tests.test_fingerprint_budget import (
+    BOUNDARY_CASES,
+    budget_by_hand,
+    reported_positions,
+)
 from tests.test_manager import _flip_kv, _wrong_position, _wrong_rtt
 
 pytestmark = [pytest.mark.gpu, pytest.mark.emulated]  # no GPU: the kernels run in tests/emu
@@ -138,7 +142,7 @@ def test_the_kernels_self_test_fails_the_health_check_once_its_record_looks_righ
     kernel's check finds nothing wrong: its rows stop matching the known-bad one, none is counted,
     and the health check fails."""
     from kvcanary import abi
-    from kvcanary.manager import Key
+    from kvcanary.manager.canary import Key
     dev = Session(0, self_test_every=2, fused=fused)
     ctx = dev.canary.ctx[Key("HEAD", "FULL", "K", "verify")]
     ctx._self_test.copy_from_host(np.array([abi.SELF_TEST_TOKEN, abi.SELF_TEST_POSITION, 0, 0], np.int64))

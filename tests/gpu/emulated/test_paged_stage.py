@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 import kvcanary as kc
-from kvcanary import memory
 from kvcanary.adapters.stage import PagedBatchStager
 from kvcanary.adapters.transformers_batch import Scheduled, StepBatches
 from kvcanary.adapters.transformers_layout import PagedLayout
+from kvcanary.runtime import memory
 
 pytestmark = [pytest.mark.gpu, pytest.mark.emulated]
 torch = pytest.importorskip("torch")

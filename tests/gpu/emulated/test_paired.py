@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 import kvcanary as kc
-from kvcanary import abi, memory, ops
-from kvcanary.launch import paired as paired_launch
+from kvcanary import abi, ops
+from kvcanary.runtime import memory
+from kvcanary.runtime.launch import paired as paired_launch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.emulated]  # no GPU: kernels run in tests/emu
 

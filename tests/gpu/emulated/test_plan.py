@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 
 import kvcanary as kc
-from kvcanary import abi, memory, reference_plan
-from kvcanary.reference import RefSource
+from kvcanary import abi
+from kvcanary.reference import plan as reference_plan
+from kvcanary.reference.canary import RefSource
+from kvcanary.runtime import memory
 
 pytestmark = [pytest.mark.gpu, pytest.mark.emulated]  # no GPU: kernels run in tests/emu
 
@@ -307,7 +309,8 @@ def test_many_source_fused_verify_spread_over_a_block_equals_reference(emulated_
     """The fused *_many verify at every spread of a block (chosen on the device from the step's
     entry count and the grid): byte-equal to the reference, at the tile counts where the choice
     changes. The grid is the launch's (the emulator runs at most tests.emu.MAX_BLOCKS blocks)."""
-    from kvcanary import driver, prepare
+    from kvcanary.ops import bind as prepare
+    from kvcanary.runtime import driver
     _, grid, _ = prepare._verify_shape(driver.runtime(0), "kvc_fused_verify", 1 << 17, (16,) * len(sources))
     if emulated_device is not None:
         from tests import emu

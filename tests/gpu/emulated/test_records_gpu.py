@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 import kvcanary as kc
-from kvcanary import FailReason, memory
-from kvcanary.manager import KvCanary, PoolGroup
-from kvcanary.records import CanaryRecords
+from kvcanary import FailReason
+from kvcanary.manager.canary import KvCanary, PoolGroup
+from kvcanary.ops.records import CanaryRecords
+from kvcanary.runtime import memory
 
 pytestmark = [pytest.mark.gpu, pytest.mark.emulated]  # no GPU: kernels run in tests/emu
 

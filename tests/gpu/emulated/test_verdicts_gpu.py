@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 import kvcanary as kc
-from kvcanary import abi, memory
-from tests.support import workloads
+from kvcanary import abi
+from kvcanary.runtime import memory
 from tests.gpu.emulated.test_plan import host_plan, on, random_batch, stamped_engine
+from tests.support import workloads
 from tests.support.session import Session
 from tests.test_verdicts import _flip_b_cached_kv, _flip_shared_kv, failed_by_step
 
@@ -54,8 +55,8 @@ def test_plan_builder_verdicts_equal_reference(seed, swa, expected):
         kwd = dict(kw, swa_map=memory.to_device(kw["swa_map"])) if swa and dev is not None else kw
         if dev is None:  # the host validates values first: run the reference on the raw batch
             _, rows = host_plan(batch, kw, 1 << 16)
-            from kvcanary.host_ops import _report_batch
-            from kvcanary.reference import Verdicts
+            from kvcanary.ops.host import _report_batch
+            from kvcanary.reference.canary import Verdicts
             Verdicts(sink.verdict_arrays[0], sink.verdict_arrays[1]).reset()
             for row in rows:
                 _report_batch(sink)(np.array([row], np.int64))
@@ -86,7 +87,8 @@ def test_verify_verdicts_equal_reference_on_stamped_state(seed, mode, stride, so
         if dev is None:
             plan, _ = host_plan(batch, kw, 1 << 17, max_batch=bs)
             if fused:
-                from kvcanary import host_ops, reference_plan
+                from kvcanary.ops import host as host_ops
+                from kvcanary.reference import plan as reference_plan
                 q = reference_plan.requests(batch["req_pool_indices"], batch["prefix_lens"], batch["extend_lens"],
                                             batch["req_to_token"].shape, kw.get("swa_window", 0))
                 rows, _, _, req = reference_plan.fused_verify_rows(

@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 import kvcanary as kc
-from kvcanary import arrays, memory
 from kvcanary.adapters import vllm_batch
 from kvcanary.adapters.stage import VllmBatchStager
+from kvcanary.interop import arrays
+from kvcanary.runtime import memory
 
 pytestmark = [pytest.mark.gpu, pytest.mark.emulated]
 

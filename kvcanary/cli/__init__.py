@@ -1,0 +1,1 @@
+"""``python -m kvcanary``'s commands: ``doctor`` and ``demo``."""

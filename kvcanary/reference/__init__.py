@@ -1,0 +1,1 @@
+"""The CPU reference: the executable spec of every kernel (docs/format.md), on numpy arrays."""

@@ -1,0 +1,81 @@
+"""A packed kernel launch, and the K and V halves of a group paired into one (abi.PAIRED).
+
+Built by :mod:`kvcanary.ops.bind` (and the pump, the records copy), replayed by the stages and the
+eager ops: replaying one costs one ``cuLaunchKernelEx`` on its device's :class:`~kvcanary.runtime.driver.DeviceRuntime`,
+configured by :func:`launch_config`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from typing import TYPE_CHECKING
+
+from .. import abi
+
+if TYPE_CHECKING:  # the driver builds its launch configs here: no import of it at run time
+    from .driver import DeviceRuntime
+
+
+class Launch:
+    """A validated, packed kernel launch: replaying it costs one cuLaunchKernelEx.
+
+    Holds the params struct and its pointer array, so both outlive every launch of it. Pointers
+    inside are fixed: replay only while the arrays it was built from are alive and unchanged.
+    ``go(stream)`` is the bound launch (``DeviceRuntime.launcher``): hot loops call it directly.
+    Fields of ``params`` may be changed between launches (the launch copies the struct).
+    ``grid_y`` > 1: a paired launch (:func:`paired`), whose params hold one struct per half.
+    """
+
+    __slots__ = ("rt", "name", "grid", "grid_y", "block", "params", "_ptrs", "address", "stream", "keep", "go")
+
+    def __init__(self, rt: DeviceRuntime, name: str, grid: int, block: int, params, stream: int, keep=(),
+                 grid_y: int = 1):
+        self.rt, self.name, self.grid, self.block, self.params, self.stream = rt, name, grid, block, params, stream
+        self.grid_y = grid_y
+        self._ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        self.address = ctypes.addressof(self._ptrs)
+        self.keep = keep  # the objects owning every pointer in params stay alive with the launch
+        self.go = rt.launcher(name, grid, block, self.address, grid_y)
+
+    def __call__(self, stream: int | None = None) -> None:
+        self.go(self.stream if stream is None else stream)
+
+
+def paired(k: Launch, v: Launch) -> Launch | None:
+    """One launch running both ``k`` and ``v`` (the K and V halves of a group, each as its own
+    launch would run; abi.PAIRED, blockIdx.y picks the half), or None when they cannot share one:
+    another kernel or block size, another device or stream, or a kernel with no paired entry point.
+    The params are copied: later changes to ``k.params`` or ``v.params`` do not reach it."""
+    name = abi.PAIRED.get(k.name)
+    if name is None or v.name != k.name or v.block != k.block or v.rt is not k.rt or v.stream != k.stream:
+        return None
+    p = abi.CTYPES[abi.KERNELS[name]]()
+    p.half[0], p.half[1] = k.params, v.params
+    return Launch(k.rt, name, max(k.grid, v.grid), k.block, p, k.stream, (k.keep, v.keep), grid_y=abi.HALVES)
+
+
+def launch_config(d, grid: int, grid_y: int, block: int, stream, pdl: bool):
+    """The cuLaunchKernelEx config (``d``: cuda.bindings.driver) of a ``grid`` x ``grid_y`` launch of
+    ``block`` threads on ``stream``. ``pdl``: the launch may begin while the previous kernel of the
+    stream still runs (programmatic stream serialization), so its blocks are resident when that
+    kernel ends; every kvcanary kernel first waits for that kernel's completion and memory
+    (KVC_AFTER_PREVIOUS_GRID in common.cuh), so only the launch latency overlaps."""
+    cfg = d.CUlaunchConfig()
+    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ, cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = grid, grid_y, 1, block, 1, 1
+    cfg.sharedMemBytes, cfg.hStream = 0, stream
+    if pdl:
+        attr = d.CUlaunchAttribute()
+        attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        cfg.attrs, cfg.numAttrs = [attr], 1
+    return cfg
+
+
+PLAIN_KERNELS = abi.PLAIN_KERNELS  # launched without PDL (abi says why)
+
+
+def pdl_wanted(arch: int) -> bool:
+    """Whether launches of a cubin for ``arch`` (e.g. 90) use programmatic dependent launch: its
+    kernels were compiled with the wait (sm_90+) and KVCANARY_PDL is not "0"."""
+    return arch * 10 >= abi.PDL_CUDA_ARCH and os.environ.get("KVCANARY_PDL", "1") != "0"

@@ -1,0 +1,252 @@
+"""NVRTC compilation of every kernel in kernels_src/ to cubins, one per configured arch.
+
+``import kvcanary`` calls :func:`load_kernels`, which reads the cubins from the disk cache or
+compiles them. NVRTC needs no driver and no GPU, so this runs on CPU-only machines (and in CI).
+Cubins, not PTX: a driver older than NVRTC rejects its PTX but loads its cubins. Never calls cuInit.
+Environment: ``KVCANARY_ARCHS`` (comma-separated, e.g. "80,90"; default :data:`DEFAULT_ARCHS`).
+A cold compile (nothing in the cache) first prints one line on stderr saying so, then one per
+finished arch (each arch past the first compiles in a worker process, :mod:`kvcanary.runtime.parallel_compile`:
+NVRTC holds the GIL); a warm import prints nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import abi
+from .._version import __version__
+from ..errors import CompileError, ValidationError
+from .cubin_cache import CubinCache, cache_key, default_dir
+
+# Every arch the kernels are built and tested for (the CPU tier compiles each). Import compiles
+# DEFAULT_ARCHS: an sm_80 cubin runs on every 8.x GPU (sm_86, sm_89), sm_90 adds Hopper's
+# programmatic dependent launch; a GPU of another major (sm_100, sm_120) gets its arch compiled,
+# and cached, at its first launch. KVCANARY_ARCHS picks others (e.g. all of SUPPORTED_ARCHS).
+SUPPORTED_ARCHS = (80, 86, 89, 90, 100, 120)
+DEFAULT_ARCHS = (80, 90)
+OPTIONS = ("-std=c++17", "--device-as-default-execution-space", "-lineinfo")
+PRELUDE_NAME = "kvcanary_abi.cuh"
+WORKER_ENV = "KVCANARY_COMPILE_WORKER"  # set in a parallel_compile worker: its ``import kvcanary`` compiles nothing
+
+
+def kernels_dir() -> Path:
+    """kernels_src/ shipped inside the wheel (kvcanary/kernels_src) or beside a source checkout."""
+    package = Path(__file__).resolve().parent.parent  # kvcanary/
+    packaged = package / "kernels_src"
+    if packaged.is_dir():
+        return packaged
+    return package.parent / "kernels_src"
+
+
+def read_sources(directory: Path | None = None) -> dict[str, str]:
+    """Every .cu/.cuh file of kernels_src, by file name, in a stable order."""
+    directory = directory or kernels_dir()
+    files = sorted(p for p in directory.iterdir() if p.suffix in (".cu", ".cuh"))
+    if not any(p.suffix == ".cu" for p in files):
+        raise CompileError(f"kv-canary: no kernel sources (*.cu) found in {directory}; expected the "
+                           f"kernels_src folder of the kvcanary package. Fix: reinstall kvcanary.")
+    return {p.name: p.read_text() for p in files}
+
+
+def configured_archs() -> tuple[int, ...]:
+    raw = os.environ.get("KVCANARY_ARCHS", "").strip()
+    if not raw:
+        return DEFAULT_ARCHS
+    try:
+        archs = tuple(sorted({int(a.strip().removeprefix("sm_")) for a in raw.split(",") if a.strip()}))
+    except ValueError:
+        raise ValidationError(f"kv-canary: KVCANARY_ARCHS must be comma-separated compute "
+                              f"capabilities like '80,90' or 'sm_90', got {raw!r}. Fix: set it to your "
+                              f"GPUs' archs, e.g. KVCANARY_ARCHS=90 for an H100/H200, or unset it") from None
+    if not archs:
+        raise ValidationError(f"kv-canary: KVCANARY_ARCHS must name at least one compute capability, got "
+                              f"{raw!r}. Fix: set it to e.g. KVCANARY_ARCHS=90, or unset it for the default archs")
+    old = [a for a in archs if a < abi.MIN_ARCH]
+    if old:
+        raise ValidationError(f"kv-canary: KVCANARY_ARCHS names {', '.join(f'sm_{a}' for a in old)}, older than "
+                              f"sm_{abi.MIN_ARCH}, the oldest arch kvcanary's kernels build for, got {raw!r}. Fix: "
+                              f"set only sm_{abi.MIN_ARCH}+ archs (e.g. KVCANARY_ARCHS=90), or unset it; on an older "
+                              f"GPU use the CPU reference backend (host arrays)")
+    return archs
+
+
+def _nvrtc():
+    """cuda.bindings.nvrtc, imported on first use: a warm ``import kvcanary`` loads the cubins from
+    the cache and never needs it (importing it takes about 0.1 s)."""
+    from cuda.bindings import nvrtc
+    return nvrtc
+
+
+def nvrtc_version() -> tuple[int, int]:
+    nvrtc = _nvrtc()
+    _, major, minor = nvrtc.nvrtcVersion()
+    return int(major), int(minor)
+
+
+def installed_version(distribution: str) -> str | None:
+    """Version of an installed distribution, read from the name of its ``.dist-info`` folder on
+    sys.path (first match, as importlib.metadata finds it) without importing importlib.metadata,
+    which costs more than the rest of a warm ``import kvcanary`` here."""
+    prefix = distribution.replace("-", "_").lower() + "-"
+    for entry in sys.path:
+        try:
+            with os.scandir(entry or ".") as names:
+                for e in names:
+                    name = e.name.lower()
+                    if name.startswith(prefix) and name.endswith(".dist-info"):
+                        return e.name[len(prefix):-len(".dist-info")]
+        except OSError:  # a zip file or a missing folder on sys.path
+            continue
+    return None
+
+
+def nvrtc_identity() -> str:
+    """What names the NVRTC in use for the cache key, without loading libnvrtc when possible
+    (loading it costs a few hundred ms): the nvidia-cuda-nvrtc wheel's exact version, else the
+    library's own major.minor."""
+    version = installed_version("nvidia-cuda-nvrtc")
+    if version is not None:
+        return "wheel " + version
+    major, minor = nvrtc_version()
+    return f"lib {major}.{minor}"
+
+
+def supported_archs() -> tuple[int, ...]:
+    nvrtc = _nvrtc()
+    _, archs = nvrtc.nvrtcGetSupportedArchs()
+    return tuple(int(a) for a in archs)
+
+
+def _check(result, what: str) -> None:
+    nvrtc = _nvrtc()
+    if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise CompileError(f"kv-canary: {what} failed with {result.name}")
+
+
+def _out_buffer(size: int) -> bytes:
+    """A fresh bytes object NVRTC may write into. Never a 0- or 1-byte one: CPython shares those
+    as singletons, and writing into one corrupts every b" " (and str " ") in the process."""
+    return bytes(max(int(size), 2))
+
+
+def compile_cubin(sources: dict[str, str], prelude: str, arch: int,
+                  options: tuple[str, ...] = OPTIONS) -> bytes:
+    """Compile every .cu of ``sources`` as one NVRTC program for sm_<arch>; return the cubin."""
+    nvrtc = _nvrtc()
+    main = "".join(f'#include "{name}"\n' for name in sources if name.endswith(".cu"))
+    headers = {PRELUDE_NAME: prelude, **sources}
+    err, prog = nvrtc.nvrtcCreateProgram(main.encode(), b"kvcanary_kernels.cu", len(headers),
+                                         [v.encode() for v in headers.values()],
+                                         [k.encode() for k in headers])
+    _check(err, "nvrtcCreateProgram")
+    opts = (*options, f"--gpu-architecture=sm_{arch}")
+    try:
+        (result,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        err, size = nvrtc.nvrtcGetProgramLogSize(prog)
+        log = _out_buffer(size)
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        log_text = log.rstrip(b"\0 ").decode(errors="replace")
+        if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            named = [n for n in headers if re.search(rf"\b{re.escape(n)}\(\d+\)", log_text)]
+            shown = "\n".join(f"// ===== {n}\n{headers[n]}" for n in (named or list(sources)))
+            raise CompileError(f"kv-canary: NVRTC could not compile the kernels for sm_{arch} "
+                               f"({result.name}); expected a clean compile of kernels_src. Fix: "
+                               f"correct the source named in the log below.",
+                               log=log_text, options=opts, source=shown)
+        err, size = nvrtc.nvrtcGetCUBINSize(prog)
+        _check(err, "nvrtcGetCUBINSize")
+        cubin = _out_buffer(size)
+        _check(nvrtc.nvrtcGetCUBIN(prog, cubin)[0], "nvrtcGetCUBIN")
+        return cubin[:size]
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+@dataclass(repr=False)
+class CompiledKernels:
+    """Cubins by arch plus what the doctor reports about how they were obtained. Its repr names
+    the archs and cubin sizes, never the cubin bytes (megabytes)."""
+
+    cubins: dict[int, bytes]
+    nvrtc: str  # nvrtc_identity(): what the cache key names
+    cache_dir: Path | None
+    hits: int
+    misses: int
+    skipped_archs: tuple[int, ...] = ()
+    keys: dict[int, str] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        sizes = ", ".join(f"sm_{a}: {len(c) / 1e6:.2f} MB" for a, c in sorted(self.cubins.items()))
+        keys = ", ".join(f"sm_{a}: {k[:12]}…" for a, k in sorted(self.keys.items()))
+        return (f"CompiledKernels(cubins={{{sizes}}}, nvrtc={self.nvrtc!r}, cache_dir="
+                f"{str(self.cache_dir) if self.cache_dir else None!r}, hits={self.hits}, misses={self.misses}, "
+                f"skipped_archs={self.skipped_archs}, keys={{{keys}}})")
+
+
+def compile_notice(archs, cache_dir: Path | None) -> str:
+    """The one stderr line printed before a cold compile: what runs, why, and how to avoid it."""
+    where = (f"cached in {cache_dir} for the next import" if cache_dir is not None
+             else "not cached: KVCANARY_CACHE=0 compiles at every import")
+    return (f"kvcanary: compiling the CUDA kernels with NVRTC for {', '.join(f'sm_{a}' for a in archs)} "
+            f"(about 6 s of CPU per arch, one process per CPU; {where}). To compile fewer, set KVCANARY_ARCHS to "
+            f"your GPUs' archs, e.g. KVCANARY_ARCHS=90; KVCANARY_CACHE_DIR picks the cache directory.")
+
+
+def pick_cubin(cubins: dict[int, bytes], capability: tuple[int, int]) -> int | None:
+    """Highest compiled arch a device can run: same major, minor not above the device's."""
+    major, minor = capability
+    fits = [a for a in cubins if a // 10 == major and a % 10 <= minor]
+    return max(fits) if fits else None
+
+
+def load_kernels(archs: tuple[int, ...] | None = None, cache: CubinCache | None = None) -> CompiledKernels:
+    """Cubins for every arch, from the cache when possible, compiled (in parallel) otherwise. The
+    configured archs' set (no ``archs``, the default cache) is kept: :func:`loaded` returns it."""
+    global _LOADED
+    default = archs is None and cache is None
+    archs = archs or configured_archs()
+    cache = cache if cache is not None else CubinCache(default_dir())
+    identity = nvrtc_identity()
+    sources, prelude = read_sources(), abi.render_prelude()
+    keys = {a: cache_key(schema="kvcanary-kernels/1", kvcanary=__version__, nvrtc=identity, arch=a,
+                         options=tuple(sorted(OPTIONS)), prelude=prelude.encode(),
+                         sources=tuple((n, s.encode()) for n, s in sources.items()))
+            for a in archs}
+    hits0, misses0 = cache.hits, cache.misses
+    cubins = {a: c for a in archs if (c := cache.get(keys[a])) is not None}
+    todo = [a for a in archs if a not in cubins]
+    skipped: tuple[int, ...] = ()
+    if todo:  # only now is libnvrtc loaded
+        available = set(supported_archs())
+        skipped = tuple(a for a in todo if a not in available)
+        if skipped:
+            warnings.warn(f"kv-canary: NVRTC {identity} cannot target sm_{skipped}; skipping them "
+                          f"(supported: {sorted(available)}). Fix: set KVCANARY_ARCHS to supported "
+                          f"archs or upgrade nvidia-cuda-nvrtc.", RuntimeWarning, stacklevel=2)
+        todo = [a for a in todo if a in available]
+        if todo:
+            print(compile_notice(todo, cache.directory), file=sys.stderr, flush=True)
+        from .parallel_compile import compile_archs  # only on a cache miss
+        for a, cubin in compile_archs(todo, sources, prelude):
+            cache.put(keys[a], cubin)
+            cubins[a] = cubin
+    compiled = CompiledKernels(cubins=cubins, nvrtc=identity, cache_dir=cache.directory,
+                               hits=cache.hits - hits0, misses=cache.misses - misses0,
+                               skipped_archs=skipped, keys=keys)
+    if default:
+        _LOADED = compiled
+    return compiled
+
+
+_LOADED: CompiledKernels | None = None
+
+
+def loaded() -> CompiledKernels | None:
+    """The configured archs' kernels as the last default :func:`load_kernels` (``import kvcanary``)
+    left them, or None."""
+    return _LOADED
