@@ -430,7 +430,7 @@ def test_uint8_2d_rejects_1d():
 
 # ---- state arrays --------------------------------------------------------------------------------
 def test_a_state_array_in_non_native_byte_order_is_named_so():
-    from kvcanary.ops.state import checked
+    from kvcanary.ops.checks import checked
     assert checked(np.zeros(3, np.int64), "ok", dtype=np.int64).shape == (3,)
     with pytest.raises(ValidationTypeError, match=r"be must have dtype int64, got int64 in non-native byte order "
                                                   r"\(>i8\)\. Fix: allocate it as int64"):

@@ -6,7 +6,7 @@ numpy array or an ``ArrayView`` into an ``ArrayView``: address, shape, BYTE stri
 and an owner that keeps the memory alive. Nothing is copied and no device memory is touched; host
 views carry a zero-copy numpy array in ``host``. ``from_pointer`` describes raw memory (the byte
 view of a real-KV source is :func:`kvcanary.ops.sources.rows_view`, the state arrays' rules are
-:func:`kvcanary.ops.state.checked`, the element types :mod:`kvcanary.interop.dtypes`).
+:func:`kvcanary.ops.checks.checked`, the element types :mod:`kvcanary.interop.dtypes`).
 
 Device ordinals: ``device`` is None for host memory, else the CUDA ordinal, or -1 when the
 producer does not say (``__cuda_array_interface__`` carries no ordinal): -1 means "a CUDA device,

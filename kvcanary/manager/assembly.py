@@ -17,8 +17,9 @@ from ..config import CanaryConfig
 from ..errors import ValidationError, ValidationTypeError
 from ..ops import backends
 from ..ops.batch import StepPlan
+from ..ops.checks import checked
 from ..ops.sources import RealKvSource, source_list
-from ..ops.state import CanaryBuffer, VerifyContext, ViolationSink, checked
+from ..ops.state import CanaryBuffer, VerifyContext, ViolationSink
 from ..reporting.outputs import Reporter
 from ..reporting.selftest import SelfTest
 from ..validate import fail, instance, integer

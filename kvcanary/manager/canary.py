@@ -125,7 +125,7 @@ class KvCanary:
     def launches_per_step(self) -> int:
         """kernel launches of one eager ``before_forward`` + ``after_forward`` of the batch
         layout last packed: both stages' launches plus the pump's snapshot (0 on the host)."""
-        if not self.backend.cached_launches or self.mode == "none":
+        if self.backend.synchronous or self.mode == "none":
             return 0
         return self.stages.per_step() + 1
 
@@ -147,7 +147,7 @@ class KvCanary:
             for h in halves:
                 ops.verify(self.ctx[Key("SWEEP", group, h, "verify")], plan, stream=s)
             self.monitor.count([self.keys.index(Key("SWEEP", group, h, "verify")) for h in halves])
-            if not self.backend.cached_launches:
+            if self.backend.synchronous:
                 self.monitor.report(None, advance=False)  # a sweep is not a step
 
     def sweep_chains(self, chains, *, group: str = "FULL", stream=None) -> None:

@@ -8,11 +8,11 @@ from __future__ import annotations
 from operator import is_
 from typing import Any, NamedTuple
 
-from .. import abi, ops
+from .. import abi
 from ..errors import ValidationError
 from ..ops.batch import BATCH_FIELD_NAMES, Batch
+from ..ops.bind import bind_build_plan, bind_fused_verify, bind_verify, bind_write
 from ..ops.packing import PackCache, arg_keys
-from ..runtime.launch import paired
 from .assembly import STAGES, Key
 
 # Packed launch sets kept per stage, one per distinct batch layout: an engine's batch size takes many
@@ -45,14 +45,7 @@ class StageLaunches:
     def run(self, batch: Batch, stage: str, stream) -> bool:
         """Enqueue (or, on the host, run) ``stage`` on ``stream``; False when the stream is being
         captured into a CUDA graph (the launches then run only when the graph is replayed)."""
-        if not self.backend.cached_launches:
-            self.pack(batch, stage, stream)  # the reference runs while packing
-            return True
-        launches = self.launches(batch, stage, stream)
-        for launch in launches:
-            launch.go(stream)
-        self.launched += len(launches)
-        return not self.backend.capturing(stream)
+        return self.backend.run_stage(self, batch, stage, stream)
 
     def launches(self, batch: Batch, stage: str, stream) -> list:
         """The stage's packed launches for this batch: validated and packed once per array layout
@@ -83,44 +76,38 @@ class StageLaunches:
         """The launches of one stage for this batch's array layout (validated here, once per
         layout). They hold no reference to the batch's arrays: a later batch with the same layout
         replays them on its own arrays (same addresses)."""
-        out = []
+        out, prepare = [], self.backend.prepare
         for g, grp in self.groups.items():
             plan = self.plans[g]
             swa = dict(swa_window=grp.window, swa_map=grp.full_to_swa) if g == "SWA" else {}
             if stage == "HEAD":  # the step's first build resets its request verdicts (docs/format.md §5.7)
-                out += ops.prepare_build_plan(batch, plan, ctx=self.head_ctx[g], stream=stream,
-                                              reset_verdicts=g == next(iter(self.groups)), **swa)
+                out += prepare(bind_build_plan(batch, plan, ctx=self.head_ctx[g],
+                                               reset_verdicts=g == next(iter(self.groups)), **swa), stream)
             loc = batch.swa_out_cache_loc if g == "SWA" else batch.out_cache_loc
             if loc is None:
                 raise ValidationError(f"kv-canary: batch.{'swa_' if g == 'SWA' else ''}out_cache_loc must be given "
                                       f"to stamp the {g} group, got None. Fix: pass the new tokens' slots")
             halves = grp.resolved_halves()
             first = self.ctx[Key("HEAD", g, halves[0], "write")]  # runs the step's serial chain
-            # On the device the halves' writes share one launch and so do their verifies (blockIdx.y
-            # the half): HEAD's halves then stamp side by side, each running the chain itself.
-            pair = len(halves) == abi.HALVES and plan.device is not None
-            writes, verifies = [], []
+            # A device pairs the halves' writes into one launch and their verifies into another
+            # (blockIdx.y the half): HEAD's halves then stamp side by side, each running the chain itself.
+            pair = len(halves) == abi.HALVES
+            bound = []
             for h in halves:  # stamp first, then verify: a new token stamped over a slot that
                 # another request still reads (premature free, a draft landing in a committed slot) is
                 # then caught by this very stage, before the forward reads it (HEAD) or right after (TAIL)
                 vctx, wctx = self.ctx[Key(stage, g, h, "verify")], self.ctx[Key(stage, g, h, "write")]
                 chain = None if wctx is first or (pair and stage == "HEAD") else first
-                writes.append(ops.prepare_write(wctx, plan, batch.input_ids, batch.positions, loc, stream=stream,
-                                                expected_input_ids=batch.expected_input_ids,
-                                                expected_positions=batch.expected_positions, chain_from=chain))
+                write = bind_write(wctx, plan, batch.input_ids, batch.positions, loc, chain_from=chain,
+                                   expected_input_ids=batch.expected_input_ids,
+                                   expected_positions=batch.expected_positions)
                 if self.fused:
-                    verifies.append(ops.prepare_fused_verify(vctx, batch, plan, stream=stream,
-                                                             check_expected_token=self.check_expected_token, **swa))
+                    verify = bind_fused_verify(vctx, batch, plan, check_expected_token=self.check_expected_token, **swa)
                 else:
-                    verifies.append(ops.prepare_verify(vctx, plan, check_expected_token=self.check_expected_token,
-                                                       stream=stream, per_request=True))
-            if pair:
-                for launches in (writes, verifies):
-                    both = paired(*launches)
-                    out += launches if both is None else [both]
-            else:
-                out += [x for wv in zip(writes, verifies) for x in wv]
-        return [launch for launch in out if launch is not None]
+                    verify = bind_verify(vctx, plan, check_expected_token=self.check_expected_token, per_request=True)
+                bound.append((write, verify))
+            out += self.backend.prepare_halves(bound, stream)
+        return out
 
     def per_step(self) -> int:
         """Launches of both stages for the batch layout each stage packed last (0 before any)."""

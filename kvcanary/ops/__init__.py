@@ -12,14 +12,11 @@ from __future__ import annotations
 
 from operator import attrgetter
 
+from ..runtime.launch import Launch
 from . import packing
+from .backends import executor
 from .batch import BATCH_FIELD_NAMES, Batch, StepPlan
-from .bind import (
-    prepare_build_plan,
-    prepare_fused_verify,
-    prepare_verify,
-    prepare_write,
-)
+from .bind import Bound, bind_build_plan, bind_fused_verify, bind_verify, bind_write
 from .state import VerifyContext
 
 _PLAN_ARRAYS = ("offsets", "seed", "num_valid_reqs", "entry_offsets", "num_valid", "enable", "slot",
@@ -54,6 +51,39 @@ def _run(launches) -> None:
         launch()
 
 
+# ---- bound, then run on the arrays' backend ----------------------------------------------------------
+def prepare_verify(ctx, plan, *, check_expected_token=False, stream=None, per_request=False) -> Launch | None:
+    """:func:`bind_verify`, then its backend: host arrays run on the reference now (None), device
+    arrays give the packed launch (not launched)."""
+    return _one(bind_verify(ctx, plan, check_expected_token=check_expected_token, per_request=per_request), stream)
+
+
+def prepare_write(ctx, plan, input_ids, positions, out_cache_loc, *, expected_input_ids=None,
+                  expected_positions=None, stream=None, chain_from=None) -> Launch | None:
+    """:func:`bind_write`, then its backend (as :func:`prepare_verify`)."""
+    return _one(bind_write(ctx, plan, input_ids, positions, out_cache_loc, expected_input_ids=expected_input_ids,
+                           expected_positions=expected_positions, chain_from=chain_from), stream)
+
+
+def prepare_build_plan(batch, plan, *, swa_window=0, swa_map=None, ctx=None, stream=None,
+                       reset_verdicts=True) -> list[Launch]:
+    """:func:`bind_build_plan`, then its backend: the packed launches ([] on the host: the reference ran)."""
+    bound = bind_build_plan(batch, plan, swa_window=swa_window, swa_map=swa_map, ctx=ctx, reset_verdicts=reset_verdicts)
+    return executor(plan.device).prepare(bound, stream)
+
+
+def prepare_fused_verify(ctx, batch, plan, *, swa_window=0, swa_map=None, check_expected_token=False,
+                         stream=None) -> Launch | None:
+    """:func:`bind_fused_verify`, then its backend (as :func:`prepare_verify`)."""
+    return _one(bind_fused_verify(ctx, batch, plan, swa_window=swa_window, swa_map=swa_map,
+                                  check_expected_token=check_expected_token), stream)
+
+
+def _one(bound: Bound, stream) -> Launch | None:
+    launches = executor(bound.device).prepare([bound], stream)
+    return launches[0] if launches else None
+
+
 # ---- verify --------------------------------------------------------------------------------------
 def verify(ctx: VerifyContext, plan: StepPlan, *, check_expected_token: bool = False, stream=None,
            per_request: bool = False) -> None:
@@ -63,11 +93,11 @@ def verify(ctx: VerifyContext, plan: StepPlan, *, check_expected_token: bool = F
         launch = prepare_verify(ctx, plan, check_expected_token=check_expected_token, stream=stream,
                                 per_request=per_request)
         return [] if launch is None else [launch]
-    if not (isinstance(ctx, VerifyContext) and isinstance(plan, StepPlan)) or ctx.device is None:
+    if not (isinstance(ctx, VerifyContext) and isinstance(plan, StepPlan)):
         return _run(pack())
     pk = _plan_key(plan)
     head = None if pk is None else ("verify", pk, ctx.common, _scalar(check_expected_token), _scalar(per_request))
-    packing.run(ctx, head, (), (), stream, ctx.device, (ctx.buffer.array, plan.slot),
+    executor(ctx.device).run_eager(ctx, head, (), (), stream, (ctx.buffer.array, plan.slot),
                 (plan.slot, plan.expected_token, plan.expected_position, plan.prev_slot), pack)
 
 
@@ -84,14 +114,14 @@ def write(ctx: VerifyContext, plan: StepPlan, input_ids, positions, out_cache_lo
                                expected_input_ids=expected_input_ids, expected_positions=expected_positions,
                                chain_from=chain_from)
         return [] if launch is None else [launch]
-    if not (isinstance(ctx, VerifyContext) and isinstance(plan, StepPlan)) or ctx.device is None \
+    if not (isinstance(ctx, VerifyContext) and isinstance(plan, StepPlan)) \
             or not (chain_from is None or isinstance(chain_from, VerifyContext)):
         return _run(pack())
     pk = _plan_key(plan)
     chain = None if chain_from is None else chain_from.common  # its buffer's address and shape
     head = None if pk is None else ("write", pk, ctx.common, chain)
     args = (input_ids, positions, out_cache_loc, expected_input_ids, expected_positions)
-    packing.run(ctx, head, args, _WRITE_NAMES, stream, ctx.device, (input_ids, ctx.buffer.array),
+    executor(ctx.device).run_eager(ctx, head, args, _WRITE_NAMES, stream, (input_ids, ctx.buffer.array),
                 (*args, plan.offsets, plan.seed, plan.num_valid_reqs), pack)
 
 
@@ -108,15 +138,15 @@ def build_plan(batch: Batch, plan: StepPlan, *, swa_window: int = 0, swa_map=Non
     def pack():
         return prepare_build_plan(batch, plan, swa_window=swa_window, swa_map=swa_map, ctx=ctx, stream=stream,
                                   reset_verdicts=reset_verdicts)
-    if not (isinstance(batch, Batch) and isinstance(plan, StepPlan) and (ctx is None or isinstance(ctx, VerifyContext))) \
-            or plan.device is None:
+    if not (isinstance(batch, Batch) and isinstance(plan, StepPlan) and (ctx is None or isinstance(ctx, VerifyContext))):
         return _run(pack())
     pk = _plan_key(plan)
     sink = (plan._reject_sink,) if ctx is None else (ctx.sink, int(ctx.tag), ctx.device)
     head = None if pk is None or sink[0] is None else ("build_plan", pk, sink, _scalar(swa_window),
                                                        _scalar(reset_verdicts))
     args = (*batch.__dict__.values(), swa_map)
-    packing.run(plan, head, args, (*BATCH_FIELD_NAMES, "swa_map"), stream, plan.device, (batch.req_pool_indices,),
+    executor(plan.device).run_eager(plan, head, args, (*BATCH_FIELD_NAMES, "swa_map"), stream,
+                                    (batch.req_pool_indices,),
                 _batch_order(batch, swa_map), pack)
 
 
@@ -129,11 +159,10 @@ def fused_verify(ctx: VerifyContext, batch: Batch, plan: StepPlan, *, swa_window
         launch = prepare_fused_verify(ctx, batch, plan, swa_window=swa_window, swa_map=swa_map,
                                       check_expected_token=check_expected_token, stream=stream)
         return [] if launch is None else [launch]
-    if not (isinstance(ctx, VerifyContext) and isinstance(batch, Batch) and isinstance(plan, StepPlan)) \
-            or ctx.device is None:
+    if not (isinstance(ctx, VerifyContext) and isinstance(batch, Batch) and isinstance(plan, StepPlan)):
         return _run(pack())
     pk = _plan_key(plan)
     head = None if pk is None else ("fused_verify", pk, ctx.common, _scalar(swa_window), _scalar(check_expected_token))
     args = (*batch.__dict__.values(), swa_map)
-    packing.run(ctx, head, args, (*BATCH_FIELD_NAMES, "swa_map"), stream, ctx.device,
+    executor(ctx.device).run_eager(ctx, head, args, (*BATCH_FIELD_NAMES, "swa_map"), stream,
                 (batch.req_pool_indices, ctx.buffer.array), _batch_order(batch, swa_map), pack)

@@ -16,9 +16,10 @@ from .. import abi
 from ..interop.arrays import ArrayView, from_pointer
 from ..reporting.pump import HostPump, Pump
 from ..runtime import driver, memory, streams
-from ..runtime.launch import Launch
+from ..runtime.launch import Launch, paired
+from . import packing
+from .checks import checked
 from .records import host_slots
-from .state import checked
 
 SWEEP_ROWS = ("slot", "expected_position", "prev_slot", "expected_token")  # a sweep plan's entry arrays, staged
 
@@ -27,7 +28,31 @@ class HostBackend:
     """State in host memory; launches run synchronously on the CPU reference."""
 
     device = None
-    cached_launches = False  # the reference validates and runs every call
+    synchronous = True  # an op has run (and reported) when its call returns: the reference runs it
+
+    def prepare(self, bound, stream) -> list:
+        """Run bound ops (:class:`~kvcanary.ops.bind.Bound`) on the reference now, in order; nothing
+        is left to replay ([])."""
+        for b in bound:
+            b.host()
+        return []
+
+    def prepare_halves(self, bound, stream) -> list:
+        """A group's (write, verify) of each half, run on the reference half after half."""
+        for write, verify in bound:
+            write.host()
+            verify.host()
+        return []
+
+    def run_eager(self, owner, head, args, names, stream, owners, stream_objs, pack) -> None:
+        """An eager op: validated and run on the reference every call (host values are checked)."""
+        for launch in pack():
+            launch()
+
+    def run_stage(self, stages, batch, stage: str, stream) -> bool:
+        """A canary's stage: validated and run on the reference (every call)."""
+        stages.pack(batch, stage, stream)
+        return True
 
     def zeros(self, shape, dtype):
         return np.zeros(shape, dtype)
@@ -85,11 +110,50 @@ class HostBackend:
 class CudaBackend:
     """State in device memory of one CUDA device (kvcanary-owned allocations)."""
 
-    cached_launches = True  # packed launches replay while the batch's array layout is the same
+    synchronous = False  # ops are enqueued on a stream; the pump reports them later
 
     def __init__(self, device: int):
         self.device, self.rt = device, driver.runtime(device)
         self._sweep_staging = self._sweep_done = self._pump = None
+
+    def prepare(self, bound, stream) -> list[Launch]:
+        """The packed launches of bound ops (:class:`~kvcanary.ops.bind.Bound`), not launched: each on
+        ``stream``, or the default its arrays name (:func:`kvcanary.runtime.streams.resolve`), its
+        kernel variant and grid chosen for this device."""
+        out = []
+        for b in bound:
+            s = streams.resolve(stream, b.owners, b.views, self.device)
+            name, grid, block = b.shape(self.rt)
+            out.append(Launch(self.rt, name, grid, block, b.params, s, b.keep))
+        return out
+
+    def prepare_halves(self, bound, stream) -> list[Launch]:
+        """A group's (write, verify) of each half packed: with both halves, the writes paired into one
+        launch and the verifies into another (abi.PAIRED; each pair as two launches where they
+        cannot share one), else write then verify."""
+        writes, verifies = (self.prepare([wv[k] for wv in bound], stream) for k in (0, 1))
+        if len(bound) != abi.HALVES:
+            return [x for wv in zip(writes, verifies) for x in wv]
+        out = []
+        for launches in (writes, verifies):
+            both = paired(*launches)
+            out += launches if both is None else [both]
+        return out
+
+    def run_eager(self, owner, head, args, names, stream, owners, stream_objs, pack) -> None:
+        """An eager op: its launches packed once per layout of ``args`` and replayed
+        (:func:`kvcanary.ops.packing.run`)."""
+        packing.run(owner, head, args, names, stream, self.device, owners, stream_objs, pack)
+
+    def run_stage(self, stages, batch, stage: str, stream) -> bool:
+        """A canary's stage enqueued on ``stream`` (its launches packed once per batch layout:
+        ``stages.launches``); False when the stream is capturing a CUDA graph (the launches run when
+        the graph is replayed)."""
+        launches = stages.launches(batch, stage, stream)
+        for launch in launches:
+            launch.go(stream)
+        stages.launched += len(launches)
+        return not self.rt.capturing(stream)
 
     def zeros(self, shape, dtype):
         return memory.zeros(shape, dtype, self.device)
@@ -195,4 +259,22 @@ class CudaBackend:
 
 
 def for_device(device: int | None):
+    """A canary's own backend (its pump and staging buffers are its own)."""
     return HostBackend() if device is None else CudaBackend(device)
+
+
+_HOST = HostBackend()
+
+
+_EXECUTORS: dict[int, CudaBackend] = {}
+
+
+def executor(device: int | None):
+    """The backend that runs ops bound to ``device``'s arrays: the host's, or one per device
+    (rebuilt when the device's runtime is)."""
+    if device is None:
+        return _HOST
+    rt, found = driver.runtime(device), _EXECUTORS.get(device)
+    if found is None or found.rt is not rt:
+        found = _EXECUTORS[device] = CudaBackend(device)
+    return found

@@ -17,7 +17,8 @@ from ..abi import BatchField
 from ..errors import BatchValueError, ValidationError
 from ..interop.arrays import ArrayView
 from ..validate import INT32_MAX, boolean, integer
-from .state import ViolationSink, alloc_zeros, checked, same_device
+from .checks import alloc_zeros, checked, same_device
+from .state import ViolationSink
 
 OFFSET_LIMIT = 1 << 62      # |expected_token_offset|: position + offset stays inside int64 on the device
 MAX_BATCH_LIMIT = 1 << 24   # requests per step the plans are sized for (the prepare block loops over them)

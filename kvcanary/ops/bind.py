@@ -1,7 +1,10 @@
-"""The public ops (:mod:`kvcanary.ops`) validated and packed: ``prepare_*`` checks an op's
-arguments on the host, then runs the CPU reference now (host arrays: :mod:`kvcanary.ops.host`) or packs
-the CUDA launch (device arrays) without launching it. The only module that wires validation ->
-params -> launch.
+"""Declare -> bind -> execute, for the public ops (:mod:`kvcanary.ops`). ``bind_*`` checks an op's
+arguments on the host and returns a :class:`Bound`: the op's kernel, its params struct filled with
+the arrays' addresses, the launch shape it needs, and the same op on the CPU reference. Binding
+touches no backend (no driver, no stream, no reference run); only a backend executes a Bound
+(:meth:`~kvcanary.ops.backends.HostBackend.prepare` runs the reference now,
+:meth:`~kvcanary.ops.backends.CudaBackend.prepare` packs the launch). ``kvcanary.ops.prepare_*`` binds,
+then hands the Bound to the backend of its arrays.
 
 Every op runs the same host validation on either backend; host arrays are also checked value by
 value (a bad batch is rejected before anything runs), device arrays never are (no host reads):
@@ -13,18 +16,37 @@ the arrays it was packed from (or others at the same addresses, shapes and strid
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Callable
+
 import numpy as np
 
 from .. import abi
 from ..errors import ValidationError
-from ..runtime import driver, streams
-from ..runtime.launch import Launch
 from ..validate import boolean, instance
 from . import host as host_ops
 from .batch import Batch, StepPlan, check_batch_values
-from .state import VerifyContext, checked, same_device
+from .checks import checked, same_device
+from .state import VerifyContext
 
 BLOCK = abi.BLOCK_THREADS
+
+
+@dataclass(eq=False)
+class Bound:
+    """One op bound to its arrays, validated. ``params``: the kernel's struct, every address filled
+    in; ``shape(rt)`` -> (entry point, grid, block) on a device runtime (the kernel variant and
+    grid follow the device's occupancy); ``owners`` / ``views``: the arrays a default stream is
+    taken from (:func:`kvcanary.runtime.streams.resolve`); ``keep``: what the params point into,
+    kept alive with a launch; ``host()``: the same op on the CPU reference (host arrays)."""
+
+    device: int | None
+    params: Any
+    shape: Callable[[Any], tuple[str, int, int]]
+    owners: tuple
+    views: Any
+    keep: tuple
+    host: Callable[[], None]
 
 
 def _block_entries(block: int, lane_entries: int) -> int:
@@ -73,10 +95,9 @@ def _check_plan_device(ctx: VerifyContext, plan: StepPlan) -> None:
 
 
 # ---- verify --------------------------------------------------------------------------------------
-def prepare_verify(ctx: VerifyContext, plan: StepPlan, *, check_expected_token: bool = False,
-                   stream=None, per_request: bool = False) -> Launch | None:
-    """:func:`verify` validated and packed; host arrays run on the reference now (returns None).
-    ``per_request``: attribute each row to its entry's request through the plan's entry offsets
+def bind_verify(ctx: VerifyContext, plan: StepPlan, *, check_expected_token: bool = False,
+                per_request: bool = False) -> Bound:
+    """:func:`verify` bound. ``per_request``: attribute each row to its entry's request through the plan's entry offsets
     (docs/format.md §5.7; a plan :func:`build_plan` filled, not a sweep's)."""
     _check_args(ctx=ctx, plan=plan)
     _check_plan_device(ctx, plan)
@@ -93,9 +114,6 @@ def prepare_verify(ctx: VerifyContext, plan: StepPlan, *, check_expected_token: 
                               f"a context with fingerprint_every=1")
     views = plan.entry_views()
     num_valid, enable = plan.flag_views()
-    if ctx.device is None:
-        host_ops.verify(ctx, views, num_valid, enable, check, offsets)
-        return None
     p = ctx.params(abi.VerifyParams)
     ctx.fill_verify_tail(p)
     if offsets is not None:
@@ -104,18 +122,15 @@ def prepare_verify(ctx: VerifyContext, plan: StepPlan, *, check_expected_token: 
     p.plan_expected_position, p.plan_prev_slot = views["expected_position"].ptr, views["prev_slot"].ptr
     p.plan_num_valid, p.plan_enable = num_valid.ptr, enable.ptr
     p.plan_capacity, p.check_expected_token = plan.verify_capacity, int(check)
-    rt = driver.runtime(ctx.device)
-    s = streams.resolve(stream, (ctx.buffer.array, plan.slot), views.values(), ctx.device)
-    name, grid, block = _verify_shape(rt, "kvc_verify", plan.verify_capacity, ctx.hash_bytes)
-    return Launch(rt, name, grid, block, p, s, (ctx, plan))
+    return Bound(ctx.device, p, lambda rt: _verify_shape(rt, "kvc_verify", plan.verify_capacity, ctx.hash_bytes),
+                 (ctx.buffer.array, plan.slot), views.values(), (ctx, plan),
+                 lambda: host_ops.verify(ctx, views, num_valid, enable, check, offsets))
 
 
 # ---- write ---------------------------------------------------------------------------------------
-def prepare_write(ctx: VerifyContext, plan: StepPlan, input_ids, positions, out_cache_loc, *,
-                  expected_input_ids=None, expected_positions=None, stream=None,
-                  chain_from: VerifyContext | None = None) -> Launch | None:
-    """:func:`write` validated and packed; host arrays run on the reference now (returns None).
-    With ``chain_from`` the kernel takes each request's chain from that buffer when every link
+def bind_write(ctx: VerifyContext, plan: StepPlan, input_ids, positions, out_cache_loc, *,
+               expected_input_ids=None, expected_positions=None, chain_from: VerifyContext | None = None) -> Bound:
+    """:func:`write` bound. With ``chain_from`` the kernel takes each request's chain from that buffer when every link
     checks out in parallel, instead of running the serial chain again; the stores are the same
     either way (docs/format.md §7), so the host reference ignores it."""
     _check_args(ctx=ctx, plan=plan)
@@ -146,9 +161,6 @@ def prepare_write(ctx: VerifyContext, plan: StepPlan, input_ids, positions, out_
     if same_device(views, "write()") != ctx.device:
         raise ValidationError("kv-canary: write() arrays must live on the canary buffer's device, got "
                               "them elsewhere. Fix: move them to the canary buffer's device")
-    if ctx.device is None:
-        host_ops.write(ctx, views)
-        return None
     p = ctx.params(abi.WriteParams)
     p.offsets, p.seed, p.num_valid_reqs, p.req_capacity = offsets.ptr, seed.ptr, nreq.ptr, plan.max_batch
     p.input_ids, p.positions, p.out_cache_loc, p.num_tokens = tok.ptr, pos.ptr, loc.ptr, T
@@ -156,10 +168,10 @@ def prepare_write(ctx: VerifyContext, plan: StepPlan, input_ids, positions, out_
     p.expected_positions = 0 if exp_pos is None else exp_pos.ptr
     p.chain_position_assert = ctx.flag_view.ptr
     p.chain_source = 0 if chain_from is None else chain_from.buffer.view.ptr
-    rt = driver.runtime(ctx.device)
-    s = streams.resolve(stream, (input_ids, ctx.buffer.array), views, ctx.device)
-    grid = max(1, min(rt.resident_blocks("kvc_write", BLOCK), plan.max_batch))  # a block per request
-    return Launch(rt, "kvc_write", grid, BLOCK, p, s, (ctx, plan))
+    def shape(rt):  # a block per request, one resident wave at most
+        return "kvc_write", max(1, min(rt.resident_blocks("kvc_write", BLOCK), plan.max_batch)), BLOCK
+    return Bound(ctx.device, p, shape, (input_ids, ctx.buffer.array), views, (ctx, plan),
+                 lambda: host_ops.write(ctx, views))
 
 
 # ---- plan builder and fused verify -------------------------------------------------------------------
@@ -184,7 +196,8 @@ def _fill_batch(p, v: dict, batch: Batch, plan: StepPlan, swa_window: int, swa_m
 
 
 def _batch_views(batch: Batch, plan: StepPlan, swa_window, swa_map) -> tuple[dict, int]:
-    """The batch's views checked against the plan (and, for host arrays, value by value)."""
+    """The batch's views checked against the plan (host arrays are checked value by value when
+    the reference runs them: :func:`_host_values`)."""
     v = batch.views(swa_map=swa_map)
     window = batch.check_window(swa_window)
     bs = v["req_pool_indices"].shape[0]
@@ -200,15 +213,22 @@ def _batch_views(batch: Batch, plan: StepPlan, swa_window, swa_map) -> tuple[dic
     if same_device(list(v.values()), "a Batch") != plan.device:
         raise ValidationError("kv-canary: the batch arrays must live on the plan's device, got them "
                               "elsewhere. Fix: allocate the plan on the batch's device")
-    if plan.device is None:
-        check_batch_values(v, batch, swa=swa_map is not None)
     return v, window
 
 
-def prepare_build_plan(batch: Batch, plan: StepPlan, *, swa_window: int = 0, swa_map=None,
-                       ctx: VerifyContext | None = None, stream=None, reset_verdicts: bool = True) -> list[Launch]:
-    """:func:`build_plan` validated and packed (one or two launches); host arrays run now.
-    ``reset_verdicts``: first zero the sink's request verdicts (docs/format.md §5.7): a step's
+def _host_values(v: dict, batch: Batch, swa_map, run):
+    """``run`` on the reference after the batch's host values are checked (a bad batch is rejected
+    before anything runs)."""
+    def host():
+        check_batch_values(v, batch, swa=swa_map is not None)
+        run()
+    return host
+
+
+def bind_build_plan(batch: Batch, plan: StepPlan, *, swa_window: int = 0, swa_map=None,
+                    ctx: VerifyContext | None = None, reset_verdicts: bool = True) -> list[Bound]:
+    """:func:`build_plan` bound: kvc_prepare, then kvc_expand for a materialised plan (on the
+    reference, one run that fills both). ``reset_verdicts``: first zero the sink's request verdicts (docs/format.md §5.7): a step's
     first build does, a second group's build of the same step must not."""
     _check_args(batch=batch, plan=plan, ctx=_NOT_TAKEN if ctx is None else ctx)
     reset = boolean("reset_verdicts", reset_verdicts)
@@ -217,11 +237,6 @@ def prepare_build_plan(batch: Batch, plan: StepPlan, *, swa_window: int = 0, swa
     v, window = _batch_views(batch, plan, swa_window, swa_map)
     sink, tag = (ctx.sink, ctx.tag) if ctx is not None else (plan.reject_sink, abi.LaunchTag.HEAD_K_FULL)
     loc = v.get("swa_out_cache_loc" if swa_map is not None else "out_cache_loc")
-    if plan.device is None:
-        host_ops.build_plan(plan, batch, v, window, loc, sink, tag, reset)
-        return []
-    rt = driver.runtime(plan.device)
-    s = streams.resolve(stream, (batch.req_pool_indices,), v.values(), plan.device)
     p = sink.params(abi.PrepareParams, tag)
     p.verdict_reset = int(reset)
     _fill_batch(p, v, batch, plan, window, swa_map)
@@ -230,33 +245,33 @@ def prepare_build_plan(batch: Batch, plan: StepPlan, *, swa_window: int = 0, swa
     p.write_req_capacity = plan.max_batch
     if loc is not None:
         p.out_cache_loc, p.num_tokens = loc.ptr, loc.shape[0]
-    launches = [Launch(rt, "kvc_prepare", 1, abi.PREPARE_THREADS, p, s, (plan, swa_map, sink))]
+    owners = (batch.req_pool_indices,)
+    bound = [Bound(plan.device, p, lambda rt: ("kvc_prepare", 1, abi.PREPARE_THREADS), owners, v.values(),
+                   (plan, swa_map, sink), _host_values(v, batch, swa_map, lambda: host_ops.build_plan(
+                       plan, batch, v, window, loc, sink, tag, reset)))]
     if plan.materialized:
         e = abi.ExpandParams()
         _fill_batch(e, v, batch, plan, window, swa_map)
         entry = plan.entry_views()
         e.plan_slot, e.plan_expected_token = entry["slot"].ptr, entry["expected_token"].ptr
         e.plan_expected_position, e.plan_prev_slot = entry["expected_position"].ptr, entry["prev_slot"].ptr
-        grid = max(1, min(rt.resident_blocks("kvc_expand", BLOCK), -(-plan.verify_capacity // BLOCK)))
-        launches.append(Launch(rt, "kvc_expand", grid, BLOCK, e, s, (plan, swa_map)))
-    return launches
+        def shape(rt):
+            return "kvc_expand", max(1, min(rt.resident_blocks("kvc_expand", BLOCK), -(-plan.verify_capacity // BLOCK))), BLOCK
+        bound.append(Bound(plan.device, e, shape, owners, v.values(), (plan, swa_map), lambda: None))
+    return bound
 
 
-def prepare_fused_verify(ctx: VerifyContext, batch: Batch, plan: StepPlan, *, swa_window: int = 0,
-                         swa_map=None, check_expected_token: bool = False, stream=None) -> Launch | None:
-    """:func:`fused_verify` validated and packed; host arrays run on the reference now."""
+def bind_fused_verify(ctx: VerifyContext, batch: Batch, plan: StepPlan, *, swa_window: int = 0,
+                      swa_map=None, check_expected_token: bool = False) -> Bound:
+    """:func:`fused_verify` bound."""
     _check_args(ctx=ctx, batch=batch, plan=plan)
     _check_plan_device(ctx, plan)
     check = boolean("check_expected_token", check_expected_token)
     v, window = _batch_views(batch, plan, swa_window, swa_map)
-    if ctx.device is None:
-        host_ops.fused_verify(ctx, batch, plan, v, window, check)
-        return None
     p = ctx.params(abi.FusedVerifyParams)
     ctx.fill_verify_tail(p)
     _fill_batch(p, v, batch, plan, window, swa_map)
     p.check_expected_token = int(check)
-    rt = driver.runtime(ctx.device)
-    s = streams.resolve(stream, (batch.req_pool_indices, ctx.buffer.array), v.values(), ctx.device)
-    name, grid, block = _verify_shape(rt, "kvc_fused_verify", plan.verify_capacity, ctx.hash_bytes)
-    return Launch(rt, name, grid, block, p, s, (ctx, plan, swa_map))
+    return Bound(ctx.device, p, lambda rt: _verify_shape(rt, "kvc_fused_verify", plan.verify_capacity, ctx.hash_bytes),
+                 (batch.req_pool_indices, ctx.buffer.array), v.values(), (ctx, plan, swa_map),
+                 _host_values(v, batch, swa_map, lambda: host_ops.fused_verify(ctx, batch, plan, v, window, check)))

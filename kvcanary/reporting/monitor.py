@@ -73,7 +73,7 @@ class Monitor:
                 self.process(snap, m, stacklevel=4)
         finally:
             self.consume(stream)
-            if enqueued or not self.backend.cached_launches:
+            if enqueued or self.backend.synchronous:
                 self.ledger.floor = self.ledger.consumed
 
     def consume(self, stream) -> None:
@@ -85,7 +85,7 @@ class Monitor:
     def flush(self) -> None:
         """Wait for the device and report every snapshot up to now (see ``KvCanary.flush``)."""
         taken = []
-        if self.backend.cached_launches:
+        if not self.backend.synchronous:
             # one more snapshot behind everything enqueued so far, in a slot freed first (a full
             # FIFO would skip it), labelled with the last step it covers
             taken = self.pump.drain(self.meta())

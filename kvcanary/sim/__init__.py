@@ -11,7 +11,7 @@ catches (``python -m kvcanary demo``).
   processes; :mod:`.output` — table, JSON, heat map; :mod:`.merge` — campaigns run in parts.
 """
 
-from .engine import Engine, NoFault
 from .data import SimConfig
+from .engine import Engine, NoFault
 
 __all__ = ["Engine", "NoFault", "SimConfig"]

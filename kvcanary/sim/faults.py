@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .prefix_cache import lcp
 from .engine import NoFault
+from .prefix_cache import lcp
 
 TITLES = {
     "K1": "prefix reuse", "K2": "premature free", "K3": "index map", "K4": "sliding-window map",

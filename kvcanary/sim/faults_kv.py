@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..abi import PARTIAL_HASH_BYTES
-from .prefix_cache import lcp
 from .faults import Fault, chain, running
+from .prefix_cache import lcp
 
 
 def changed_in_window(eng, pool, slots, tokens, positions, mode: str) -> np.ndarray:
