@@ -30,13 +30,13 @@ def test_fifo_takes_only_completed_snapshots_oldest_first():
     fifo = make_fifo()
     a, b, c = fifo.claim("a"), fifo.claim("b"), fifo.claim("c")
     assert len({a, b, c}) == 3 and fifo.tickets[a] < fifo.tickets[b] < fifo.tickets[c]
-    assert fifo.take() == []
+    assert fifo.completed() == []
     device_write(fifo, b, [2] * 5)          # b done before a: not taken yet
-    assert fifo.take() == [] and fifo.in_flight == 3
+    assert fifo.completed() == [] and fifo.in_flight == 3
     device_write(fifo, a, [1] * 5)
-    assert fifo.take() == [([1] * 5, "a"), ([2] * 5, "b")]
+    assert fifo.completed() == [([1] * 5, "a"), ([2] * 5, "b")]
     device_write(fifo, c, [3] * 5)
-    assert fifo.take() == [([3] * 5, "c")] and fifo.in_flight == 0
+    assert fifo.completed() == [([3] * 5, "c")] and fifo.in_flight == 0
 
 
 def test_fifo_skips_when_full_and_recovers():
@@ -45,7 +45,7 @@ def test_fifo_skips_when_full_and_recovers():
     assert fifo.claim(4) == -1 and fifo.claim(5) == -1 and fifo.skipped == 2
     for k, slot in enumerate(slots):
         device_write(fifo, slot, [k] * 5)
-    assert [m for _, m in fifo.take()] == [0, 1, 2, 3]
+    assert [m for _, m in fifo.completed()] == [0, 1, 2, 3]
     assert fifo.claim(6) >= 0 and fifo.skipped == 2
 
 
@@ -53,19 +53,19 @@ def test_fifo_clears_the_word_and_ignores_a_stale_one():
     fifo = make_fifo(depth=2)
     slot = fifo.claim("old")
     device_write(fifo, slot, [7] * 5)
-    assert fifo.take() == [([7] * 5, "old")]
+    assert fifo.completed() == [([7] * 5, "old")]
     assert fifo.words[slot] != 0
     again = [fifo.claim("x"), fifo.claim("y")]
     assert slot in again and fifo.words[slot] == 0  # cleared before its launch is enqueued
     fifo.words[slot] = fifo.tickets[slot] - 1       # an older ticket is not completion
-    assert fifo.take() == []
+    assert fifo.completed() == []
 
 
 def test_fifo_snapshot_is_a_copy_and_unclaim_returns_the_slot():
     fifo = make_fifo(depth=2)
     slot = fifo.claim("m")
     device_write(fifo, slot, [5] * 5)
-    (snap, _), = fifo.take()
+    (snap, _), = fifo.completed()
     fifo.payload[slot] = 0
     assert snap == [5] * 5
     s2 = fifo.claim("n")

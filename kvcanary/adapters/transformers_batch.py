@@ -179,7 +179,7 @@ class StepBatches:
         buf = self.stager.expected_buffer(t)
         if self.expected_twin is None or self.expected_twin[0] is not buf:
             self.expected_twin = (buf, torch.from_dlpack(buf))
-        host, array = self.host.take(2 * t)
+        host, array = self.host.buffer(2 * t)
         m = min(t, len(pending.ids))
         array[:m] = pending.ids[:m]
         array[m:t] = 0
@@ -230,7 +230,7 @@ class _PinnedRing:
     def __init__(self):
         self.buffers, self.events, self.recorded, self.turn = [], [], [], -1
 
-    def take(self, n: int):
+    def buffer(self, n: int):
         """(a free pinned tensor of >= n elements, its numpy view)."""
         import torch  # on first use, as above
         if not self.buffers or self.buffers[0][0].numel() < n:

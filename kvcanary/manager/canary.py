@@ -142,7 +142,7 @@ class KvCanary:
             plan = self.plans["SWEEP"]
             host, n = sweep_plan(slots, positions, prev_slots, plan.verify_capacity)
             s = self.backend.stream(stream, None)
-            self.backend.stage_sweep(plan, host, n, s)
+            self.backend.upload_sweep(plan, host, n, s)
             halves = self.groups[group].resolved_halves()
             for h in halves:
                 ops.verify(self.ctx[Key("SWEEP", group, h, "verify")], plan, stream=s)

@@ -101,7 +101,7 @@ class HostBackend:
             else:
                 records[b] = words[slots, :abi.FIELDS_PER_SLOT]
 
-    def stage_sweep(self, plan, host: dict, n: int, stream) -> None:
+    def upload_sweep(self, plan, host: dict, n: int, stream) -> None:
         for k, a in host.items():
             getattr(plan, k)[:n] = a
         plan.num_valid[0], plan.enable[0] = n, 1
@@ -237,7 +237,7 @@ class CudaBackend:
                           -(-slots.shape[0] // abi.BLOCK_THREADS)))
         Launch(self.rt, "kvc_copy_records", grid, abi.BLOCK_THREADS, p, stream, (bufs, slots, records))(stream)
 
-    def stage_sweep(self, plan, host: dict, n: int, stream: int) -> None:
+    def upload_sweep(self, plan, host: dict, n: int, stream: int) -> None:
         """Upload a host sweep plan through pinned memory on ``stream`` (the previous upload has
         left the staging buffer before it is refilled)."""
         cap, word, flags = plan.verify_capacity, abi.WORD_BYTES, len(SWEEP_ROWS)  # the flags' row follows the entries'

@@ -113,7 +113,7 @@ class Monitor:
                 warnings.warn(f"kv-canary: step {step}: the {g} verify was skipped because the batch has "
                               f"more cached entries than verify_capacity ({self.plans[g].verify_capacity}); fix: "
                               f"raise verify_capacity", RuntimeWarning, stacklevel=stacklevel)
-        start, stop, lost = self.ledger.take(snap[abi.STATUS_CLAIM], floor)
+        start, stop, lost = self.ledger.window(snap[abi.STATUS_CLAIM], floor)
         due = self.verdicts_due(snap)
         rows = requests = None
         if stop > start or lost:
@@ -121,7 +121,7 @@ class Monitor:
         if due:
             self.verdicts(snap, step, rows, requests)
         if rows is not None:
-            found = self.self_test.take(decode_ring(rows, len(rows)).violations)
+            found = self.self_test.sift(decode_ring(rows, len(rows)).violations)
             self.plan_mismatches += sum(v.batch_field == "ENTRY_COUNT" for v in found)
             self.reporter.violations(found, step, lost, self.ledger.lost)
         if self.stats_every or self.reporter.wants_stats:

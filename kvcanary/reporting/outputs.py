@@ -132,7 +132,7 @@ class RingLedger:
         self.consumed = 0    # the mark last written where the kernels read it
         self.floor = 0       # the smallest mark launches since the newest enqueued snapshot saw
 
-    def take(self, total: int, floor: int) -> tuple[int, int, int]:
+    def window(self, total: int, floor: int) -> tuple[int, int, int]:
         """(start, stop, lost) for a snapshot whose claim counter reads ``total``: rows of claim
         indices [start, stop) are complete in the ring; ``lost`` more were claimed but not kept."""
         start = self.total

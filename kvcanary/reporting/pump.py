@@ -73,7 +73,7 @@ class SnapshotFifo:
             self.queue.pop()
             self.free.append(slot)
 
-    def take(self) -> list:
+    def completed(self) -> list:
         """[(snapshot as a list of ints, its meta)] of every completed slot not yet taken, oldest
         first; stops at the first slot still in flight. Never waits."""
         out, queue, words, tickets = [], self.queue, self._words, self.tickets
@@ -159,7 +159,7 @@ class Pump:
     def take(self, meta=None) -> list:
         """[(snapshot, its meta)] of every completed snapshot not yet taken, oldest first; never
         waits. A snapshot is the status block as a list of ints."""
-        return self.fifo.take()
+        return self.fifo.completed()
 
     def snapshot(self, stream: int, meta=None) -> bool:
         """Enqueue one ``kvc_snapshot`` launch on ``stream`` behind the work already there;
@@ -182,7 +182,7 @@ class Pump:
     def drain(self, meta=None) -> list:
         """Wait for the device (context synchronise) and take every snapshot (shutdown, tests)."""
         memory.context_synchronize(self.device)
-        return self.fifo.take()
+        return self.fifo.completed()
 
     def read_ring(self, start: int, stop: int, with_requests: bool = False):
         """Ring rows [start, stop) (complete per a snapshot), as host numpy; with ``with_requests``

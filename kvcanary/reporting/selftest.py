@@ -17,7 +17,7 @@ class SelfTest:
         self.every, self.index, self.tag, self.num_slots = every, index, tag, num_slots
         self.seen, self.faults = 0, []
 
-    def take(self, found: list) -> list:
+    def sift(self, found: list) -> list:
         """``found`` without its self-test rows, which are counted (or kept as faults when they
         are not the known-bad record's row)."""
         if not self.every:
