@@ -1,5 +1,5 @@
 // An engine's step staged into a Batch's persistent buffers, one launch instead of an adapter's
-// framework ops: kvc_stage_vllm (below) and kvc_stage_paged (at the end).
+// framework ops: kvc_stage_vllm (below), kvc_stage_paged and kvc_stage_sglang (at the end).
 //
 // kvc_stage_vllm: one step of vLLM attention metadata (kvcanary.adapters.stage.VllmBatchStager; the
 // values of kvcanary.adapters.vllm.vllm_batch): request-pool rows r + 1, extend =
@@ -163,5 +163,32 @@ extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_stage_paged(
     const long long r = kvc_stage_request(p.cu_k, KVC_STAGE_PAGED_CU_SEQ_LENS_K, p, j);
     const long long col = kvc_clamp(kvc_sub_wrap(j, kvc_stage_load(p.cu_k, r, p.wide, KVC_STAGE_PAGED_CU_SEQ_LENS_K)), 0, p.rtt_cols - 1);
     p.req_to_token[(r + 1) * p.rtt_cols + col] = (int)kvc_stage_slot(p, kvc_stage_load(p.read_index, j, p.wide, KVC_STAGE_PAGED_READ_INDEX));
+  }
+}
+
+// kvc_stage_sglang: one SGLang ForwardBatch (kvcanary.adapters.sglang_stager.SglangBatchStager; the
+// values of kvcanary.adapters.sglang_batch): request-pool rows req_pool_indices[r], extend =
+// extend_seq_lens[r] (or uniform_extend when that array is NULL: 1 for DECODE, draft_token_num for
+// TARGET_VERIFY), prefix = extend_prefix_lens[r] (or seq_lens[r] - extend when seq_lens counts the
+// step's new tokens, seq_lens[r] when it does not), and the tokens' ids, positions and slots widened
+// to int64. The host checked every extent it reads; values are not checked (a wrong length or row
+// is reported by the plan kernel). Grid-stride, any grid; never raises, never waits.
+extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_stage_sglang(const __grid_constant__ KvcStageSglangParams p) {
+  KVC_AFTER_PREVIOUS_GRID();
+  const long long stride = (long long)gridDim.x * blockDim.x, first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  for (long long r = first; r < p.num_reqs; r += stride) {
+    const long long ext = p.extend_seq_lens != nullptr
+        ? kvc_stage_load(p.extend_seq_lens, r, p.wide, KVC_STAGE_SGLANG_EXTEND_SEQ_LENS) : p.uniform_extend;
+    const long long seq = kvc_stage_load(p.seq_lens, r, p.wide, KVC_STAGE_SGLANG_SEQ_LENS);
+    p.rows[r] = kvc_stage_load(p.req_pool_indices, r, p.wide, KVC_STAGE_SGLANG_REQ_POOL_INDICES);
+    p.extend_lens[r] = ext;
+    p.prefix_lens[r] = p.extend_prefix_lens != nullptr
+        ? kvc_stage_load(p.extend_prefix_lens, r, p.wide, KVC_STAGE_SGLANG_EXTEND_PREFIX_LENS)
+        : (p.seq_includes_new ? kvc_sub_wrap(seq, ext) : seq);
+  }
+  for (long long i = first; i < p.num_tokens; i += stride) {
+    p.out_input_ids[i] = kvc_stage_load(p.input_ids, i, p.wide, KVC_STAGE_SGLANG_INPUT_IDS);
+    p.out_positions[i] = kvc_stage_load(p.positions, i, p.wide, KVC_STAGE_SGLANG_POSITIONS);
+    p.out_loc[i] = kvc_stage_load(p.out_cache_loc, i, p.wide, KVC_STAGE_SGLANG_OUT_CACHE_LOC);
   }
 }

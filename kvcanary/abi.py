@@ -414,6 +414,31 @@ STAGE_VLLM_PARAMS = StructDecl("KvcStageVllmParams", (
     _F("_pad", "i32"),
 ))
 
+# One SGLang ForwardBatch staged like the vLLM step above (kvcanary.adapters.sglang_stager): bit i of
+# `wide`, input i of STAGE_SGLANG_INPUTS (KVC_STAGE_SGLANG_<NAME>); the two extend arrays may be NULL.
+STAGE_SGLANG_INPUTS = ("req_pool_indices", "seq_lens", "input_ids", "positions", "out_cache_loc", "extend_seq_lens",
+                       "extend_prefix_lens")
+STAGE_SGLANG_PARAMS = StructDecl("KvcStageSglangParams", (
+    _F("req_pool_indices", "ptr:const void"),  # [>= num_reqs]
+    _F("seq_lens", "ptr:const void"),          # [>= num_reqs]
+    _F("input_ids", "ptr:const void"),         # [>= num_tokens]
+    _F("positions", "ptr:const void"),
+    _F("out_cache_loc", "ptr:const void"),
+    _F("extend_seq_lens", "ptr:const void"),   # [>= num_reqs] or NULL: every request extends by uniform_extend
+    _F("extend_prefix_lens", "ptr:const void"),  # [>= num_reqs] or NULL: prefix = seq_lens - seq_includes_new * extend
+    _F("rows", "ptr:long long"),               # out [num_reqs]: req_pool_indices widened
+    _F("prefix_lens", "ptr:long long"),        # out [num_reqs]
+    _F("extend_lens", "ptr:long long"),        # out [num_reqs]
+    _F("out_input_ids", "ptr:long long"),      # out [num_tokens]
+    _F("out_positions", "ptr:long long"),
+    _F("out_loc", "ptr:long long"),
+    _F("num_reqs", "i64"),
+    _F("num_tokens", "i64"),
+    _F("uniform_extend", "i64"),               # used when extend_seq_lens is NULL
+    _F("seq_includes_new", "i32"),             # 1: seq_lens counts the step's new tokens (DECODE, EXTEND)
+    _F("wide", "i32"),
+))
+
 # One step of a paged engine given as cumulative query / key lengths and physical cache indices
 # (transformers continuous batching: kernels_src/stage.cu, kvcanary.adapters.transformers_batch),
 # staged like the vLLM step above: bit i of `wide`, input i of STAGE_PAGED_INPUTS (KVC_STAGE_PAGED_<NAME>).
@@ -463,7 +488,7 @@ FUSED_VERIFY_PAIR = StructDecl("KvcFusedVerifyPair", (_F("half", "struct:KvcFuse
 STRUCTS: tuple[StructDecl, ...] = (
     SOURCE_DESC, VERIFY_PARAMS, WRITE_PARAMS, PREPARE_PARAMS, EXPAND_PARAMS,
     FUSED_VERIFY_PARAMS, RECORDS_PARAMS, PROBE_PARAMS, SNAPSHOT_PARAMS, WRITE_PAIR, FUSED_VERIFY_PAIR,
-    STAGE_VLLM_PARAMS, STAGE_PAGED_PARAMS,
+    STAGE_VLLM_PARAMS, STAGE_PAGED_PARAMS, STAGE_SGLANG_PARAMS,
 )
 _BY_NAME = {s.name: s for s in STRUCTS}
 PARAMS_STRUCTS = tuple(s for s in STRUCTS if s is not SOURCE_DESC)
@@ -488,6 +513,7 @@ KERNELS: dict[str, str] = {
     "kvc_copy_records": RECORDS_PARAMS.name,
     "kvc_stage_vllm": STAGE_VLLM_PARAMS.name,
     "kvc_stage_paged": STAGE_PAGED_PARAMS.name,
+    "kvc_stage_sglang": STAGE_SGLANG_PARAMS.name,
     "kvc_empty": PROBE_PARAMS.name,
     "kvc_abi_layout": PROBE_PARAMS.name,
     **{f"kvc_echo_{s.name}": s.name for s in PARAMS_STRUCTS},
@@ -556,6 +582,7 @@ WritePair = CTYPES["KvcWritePair"]
 FusedVerifyPair = CTYPES["KvcFusedVerifyPair"]
 StageVllmParams = CTYPES["KvcStageVllmParams"]
 StagePagedParams = CTYPES["KvcStagePagedParams"]
+StageSglangParams = CTYPES["KvcStageSglangParams"]
 # Kernels launched without PDL even where it is on: the many-source verifies (2 blocks per SM, 35 KB of
 # shared memory each). With them early-resident the 1.1 B model's layers="all" decode step was 4-10 %
 # slower than with plain launches on the H200; without, 0.94-1.04x (docs/performance.md).
@@ -595,7 +622,7 @@ def constants() -> dict[str, int]:
         "KVC_SELF_TEST_TOKEN": SELF_TEST_TOKEN, "KVC_SELF_TEST_POSITION": SELF_TEST_POSITION,
         "KVC_HALVES": HALVES, "KVC_PDL_CUDA_ARCH": PDL_CUDA_ARCH,
     }
-    for kernel, inputs in (("VLLM", STAGE_VLLM_INPUTS), ("PAGED", STAGE_PAGED_INPUTS)):
+    for kernel, inputs in (("VLLM", STAGE_VLLM_INPUTS), ("PAGED", STAGE_PAGED_INPUTS), ("SGLANG", STAGE_SGLANG_INPUTS)):
         out.update({f"KVC_STAGE_{kernel}_{name.upper()}": bit for bit, name in enumerate(inputs)})
     for field in BatchField:
         out[f"KVC_BATCH_{field.name}"] = int(field)

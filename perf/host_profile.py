@@ -91,7 +91,7 @@ def rows(torch, only):
     from kvcanary.adapters import VllmBatchStager, sglang_batch, vllm_batch
     s = 0x5000
     for shape, (bs, prefix, extend) in SHAPES.items():
-        for how in ("fresh Batch", "reused Batch", "sglang_batch"):
+        for how in ("fresh Batch", "reused Batch", "sglang_batch", "SglangBatchStager"):
             name = f"manager, {how}, {shape}"
             if only and only not in name:
                 continue
@@ -103,6 +103,10 @@ def rows(torch, only):
                 make = lambda b=reused: b  # noqa: E731
             elif how == "fresh Batch":
                 make = itertools.cycle(w.fresh()).__next__
+            elif how == "SglangBatchStager":
+                stager = kc.adapters.SglangBatchStager(w.rtt, max_reqs=bs, max_tokens=bs * extend)
+                fbs = itertools.cycle(w.forward_batches(torch, "DECODE" if extend == 1 else "EXTEND"))
+                make = lambda fbs=fbs, stager=stager: stager(next(fbs), stream=s)  # noqa: E731
             else:
                 fbs = itertools.cycle(w.forward_batches(torch, "DECODE" if extend == 1 else "EXTEND"))
                 make = lambda fbs=fbs, rtt=w.rtt: sglang_batch(next(fbs), rtt)  # noqa: E731

@@ -12,6 +12,8 @@ host row carries its time in units of it (``python_calibrations``), so two runs 
 - ``fresh Batch``: a ``kvcanary.Batch`` of new torch tensors every step (prebuilt, so the
   engine's own allocations stay out of the timed region; the addresses differ step to step);
 - ``reused Batch``: one Batch object every step (no regression of the hot path);
+- ``SglangBatchStager``: the same ForwardBatches staged in one launch into persistent buffers (the
+  canary's launches then replay without keying the step's tensors);
 - ``sglang_batch``: an SGLang-shaped ForwardBatch (forward_mode, req_pool_indices, seq_lens,
   input_ids, positions, out_cache_loc; EXTEND adds extend_prefix_lens / extend_seq_lens) of new
   tensors every step through ``kvcanary.adapters.sglang_batch`` (its casts and arithmetic
@@ -114,23 +116,29 @@ def test_python_speed_calibration(report, bounds):
                bound=bounds.launch_floor, bound_name="raw launch floor, same run")
 
 
-@pytest.mark.parametrize("how", ["fresh Batch", "reused Batch", "sglang_batch"])
+@pytest.mark.parametrize("how", ["fresh Batch", "reused Batch", "sglang_batch", "SglangBatchStager"])
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_manager_host_path(report, workloads, timer, bounds, shape, how):
     torch = torch_or_skip()
-    from kvcanary.adapters import sglang_batch
+    from kvcanary.adapters import SglangBatchStager, sglang_batch
     w = workloads.get(*SHAPES[shape])
     canary = make_canary(w, torch)
+    staged = lambda: 0  # noqa: E731  (launches a stager made)
     if how == "reused Batch":
         batch = w.batch
         make = lambda: batch  # noqa: E731
     elif how == "fresh Batch":
         make = itertools.cycle(fresh_batches(torch, w)).__next__
-    else:
+    elif how == "sglang_batch":
         rtt = as_torch(torch, w.rtt)
         fbs = itertools.cycle(forward_batches(torch, w, "DECODE" if w.extend == 1 else "EXTEND"))
         make = lambda: sglang_batch(next(fbs), rtt)  # noqa: E731
-    time_steps(report, timer, bounds, canary, make, f"manager, {how}, {w.label}")
+    else:
+        stager = SglangBatchStager(as_torch(torch, w.rtt), max_reqs=w.bs, max_tokens=w.bs * w.extend)
+        fbs = itertools.cycle(forward_batches(torch, w, "DECODE" if w.extend == 1 else "EXTEND"))
+        make = lambda: stager(next(fbs))  # noqa: E731
+        staged = lambda: stager.launches  # noqa: E731
+    time_steps(report, timer, bounds, canary, make, f"manager, {how}, {w.label}", other_launches=staged)
 
 
 @pytest.mark.parametrize("how", ["vllm_batch", "VllmBatchStager"])
@@ -219,6 +227,7 @@ def test_transformers_canary_generation(report, bounds, how):
     transformers = pytest.importorskip("transformers")
     from kvcanary.adapters import TransformersCanary
     from kvcanary.adapters.transformers_layout import check_transformers_version
+
     from .transformers_workload import LOOPS, time_the_loop
     try:
         check_transformers_version(transformers.__version__)

@@ -32,6 +32,7 @@ from .sglang import (
                      sglang_pool_group,
                      sglang_sources,
 )
+from .sglang_stager import SglangBatchStager
 from .stage import PagedBatchStager, VllmBatchStager
 from .transformers_paged import StepInfo, TransformersCanary
 from .vllm import (
@@ -50,6 +51,6 @@ __all__ = [
     "select_layers", "is_swa_pool", "sglang_batch", "sglang_canary", "sglang_groups", "sglang_pool_group",
     "sglang_sources", "StepInfo", "TransformersCanary", "block_table_to_req_to_token", "vllm_batch",
     "vllm_batch_from_metadata", "vllm_canary", "vllm_layer_layout", "vllm_layer_sources", "vllm_metadata",
-    "vllm_pool_group", "KV_CACHE_LAYOUTS", "VllmBatchStager", "PagedBatchStager", "FailedRequests",
+    "vllm_pool_group", "KV_CACHE_LAYOUTS", "VllmBatchStager", "PagedBatchStager", "SglangBatchStager", "FailedRequests",
     "RequestFailure", "sglang_request_ids", "vllm_request_ids",
 ]

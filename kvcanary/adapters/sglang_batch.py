@@ -46,12 +46,15 @@ def _ones(seq):
     return kept_tensors(seq.device, ("ones", int(seq.shape[0])), lambda: full_like(seq, 1))
 
 
-def _lengths(fb, seq):
-    """(prefix_lens, extend_lens) int64 of ``fb`` on its device (see the module docstring)."""
+def length_rule(fb) -> tuple[int, object, object, bool]:
+    """How ``fb``'s forward mode gives each request's lengths (see the module docstring): (a uniform
+    extend, 0 when ``extend_seq_lens`` gives it per request; ``extend_seq_lens`` or None;
+    ``extend_prefix_lens`` or None; whether ``seq_lens`` counts the step's new tokens, so that
+    prefix = seq_lens - extend where no prefix array is given). Reads shapes and attributes only."""
     mode = require_attr(fb, "forward_mode", "the ForwardBatch", _FIX)
     name = getattr(mode, "name", str(mode))
     if name in ("DECODE", "IDLE"):
-        return seq - 1, _ones(seq)
+        return 1, None, None, True
     if name == "TARGET_VERIFY":
         spec = require_attr(fb, "spec_info", "a TARGET_VERIFY ForwardBatch", _FIX)
         what = f"the TARGET_VERIFY spec_info ({type(spec).__name__})"
@@ -67,20 +70,28 @@ def _lengths(fb, seq):
         if tokens != bs * drafts:
             raise ValidationError(f"kv-canary: a TARGET_VERIFY batch of {bs} requests x draft_token_num={drafts} "
                                   f"should carry {bs * drafts} tokens, got {tokens} input_ids; fix: {_FIX}")
-        return seq, full_like(seq, drafts)
+        return drafts, None, None, False
     ext = getattr(fb, "extend_seq_lens", None)
     if name == "DRAFT_EXTEND_V2" or name in _EXTEND_MODES:
         if ext is None:
             raise ValidationError(f"kv-canary: a {name} ForwardBatch must carry extend_seq_lens, got None; fix: {_FIX}")
-        extend = astype(ext, "int64")
-        pre = None if name == "DRAFT_EXTEND_V2" else getattr(fb, "extend_prefix_lens", None)
-        return (seq - extend if pre is None else astype(pre, "int64")), extend
+        return 0, ext, None if name == "DRAFT_EXTEND_V2" else getattr(fb, "extend_prefix_lens", None), True
     raise ValidationError(f"kv-canary: forward_mode {name} is not a mode the canary checks (expected DECODE, IDLE, "
                           f"TARGET_VERIFY, DRAFT_EXTEND_V2, {', '.join(_EXTEND_MODES)}; got {name}); fix: run the "
                           f"canary only on batches that write KV through the model")
 
 
-def _sources(req_to_token, translator):
+def _lengths(fb, seq):
+    """(prefix_lens, extend_lens) int64 of ``fb`` on its device, by :func:`length_rule`."""
+    uniform, ext, pre, counts_new = length_rule(fb)
+    if uniform:
+        extend = _ones(seq) if uniform == 1 else full_like(seq, uniform)
+        return (seq - uniform if counts_new else seq), extend
+    extend = astype(ext, "int64")
+    return (seq - extend if pre is None else astype(pre, "int64")), extend
+
+
+def req_to_token_source(req_to_token, translator):
     """(the int32 req_to_token array, the KVIndexTranslator or None) from a ModelRunner, a
     ReqToTokenPool or the array itself."""
     if hasattr(req_to_token, "req_to_token_pool"):  # a ModelRunner
@@ -116,7 +127,7 @@ def sglang_batch(forward_batch, req_to_token, *, full_to_swa=None, kv_index_tran
     entries stay ``-1``). Only dtype casts, gathers and elementwise arithmetic run, on the arrays'
     device; nothing is read back to the host. A missing attribute is a ``kv-canary:`` error naming it."""
     fb = forward_batch
-    rtt, translator = _sources(req_to_token, kv_index_translator)
+    rtt, translator = req_to_token_source(req_to_token, kv_index_translator)
     for name in ("req_pool_indices", "seq_lens", "input_ids", "positions", "out_cache_loc"):
         require_attr(fb, name, "the ForwardBatch", _FIX)
     seq = astype(fb.seq_lens, "int64")
