@@ -157,3 +157,12 @@ def test_a_device_outside_the_configured_archs_compiles_its_core_families_then_e
     assert rt.functions["kvc_empty"] == "kvc_empty" and rt.functions["kvc_abi_layout"] == "kvc_abi_layout"
     assert asked == [((100,), CORE), ((100,), ["probe"])] and fake.library_loads == [*CORE, "probe"]
 
+
+def test_a_stager_loads_the_stage_family_when_built_not_at_its_first_step(fake):
+    """The adapters' stagers are built outside any stream capture (they allocate their buffers);
+    their first step may be captured into a graph, so the stage family loads at construction."""
+    from kvcanary.adapters import PagedBatchStager, VllmBatchStager
+    VllmBatchStager(max_reqs=2, max_tokens=2, max_len=8, block_size=4)
+    assert fake.library_loads == [*CORE, "stage"]
+    assert "kvc_stage_paged" in driver.runtime(0).functions and PagedBatchStager.KERNEL == "kvc_stage_paged"
+
