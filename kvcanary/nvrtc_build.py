@@ -225,7 +225,7 @@ def compile_notice(archs, cache_dir: Path | None, families=None) -> str:
              else "not cached: KVCANARY_CACHE=0 compiles at every import")
     which = f" ({', '.join(sorted(families))})" if families else ""
     return (f"kvcanary: compiling the CUDA kernels{which} with NVRTC for {', '.join(f'sm_{a}' for a in archs)} "
-            f"(about 7 s of CPU per arch, one process per CPU; {where}). To compile fewer, set KVCANARY_ARCHS to "
+            f"(about 6 s of CPU per arch, one process per CPU; {where}). To compile fewer, set KVCANARY_ARCHS to "
             f"your GPUs' archs, e.g. KVCANARY_ARCHS=90; KVCANARY_CACHE_DIR picks the cache directory.")
 
 
