@@ -1,8 +1,8 @@
 """kvcanary: a canary for the paged KV cache of LLM serving engines.
 
-Importing compiles every kernel of kernels_src/ with NVRTC for the configured archs (or loads the
-cubins from the disk cache). It never initialises the CUDA driver: that happens on the first
-launch, so servers may fork after import.
+Importing compiles every kernel family of kernels_src/ (``abi.FAMILIES``, one NVRTC program each)
+for the configured archs, or loads their cubins from the disk cache. It never initialises the CUDA
+driver: that happens on the first launch, so servers may fork after import.
 """
 
 import os as _os
@@ -14,7 +14,7 @@ from .abi import FailReason, HashMode, LaunchTag, MAX_REAL_KV_SOURCES  # noqa: E
 from .errors import (CanaryViolationError, CompileError, CorruptedKvError, DriverError, KvCanaryError,  # noqa: E402
                      NoCudaDriverError, UnsupportedDeviceError, ValidationError, ValidationTypeError)
 
-# the configured archs (the driver loads them on first launch); a compile worker compiles its own arch only
+# cubins by arch and family (the driver loads them on first launch); a compile worker compiles only what it is sent
 COMPILED = None if _os.environ.get(_compile.WORKER_ENV) else _compile.load_kernels()
 
 from .interop.arrays import ArrayView, as_view, from_pointer  # noqa: E402

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import enum
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 
 FORMAT_VERSION = 1
 
@@ -494,30 +495,93 @@ _BY_NAME = {s.name: s for s in STRUCTS}
 PARAMS_STRUCTS = tuple(s for s in STRUCTS if s is not SOURCE_DESC)
 ECHO_BYTES = 4096  # size of the device echo buffer of the ABI probe
 
-# Kernel entry point -> the one params struct it takes by value.
-KERNELS: dict[str, str] = {
+
+@dataclass(frozen=True, eq=False)
+class KernelFamily:
+    """One NVRTC program: kernels_src/<source>, compiled and cached per arch on its own, loaded on a
+    device as one CUlibrary. Every kernel name is declared here once; KERNELS, PAIRED and
+    PLAIN_KERNELS are derived from FAMILIES."""
+
+    name: str
+    source: str                     # its .cu file in kernels_src (the .cuh headers are shared)
+    kernels: dict[str, str]         # extern "C" entry point -> the one params struct it takes by value
+    paired: dict[str, str] = dataclass_field(default_factory=dict)  # kernel -> its entry point for both halves
+    plain: frozenset[str] = frozenset()  # kernels launched without PDL where it is on (_VERIFY_PLAIN: why)
+    core: bool = True               # loaded at a device's runtime creation; else on first use
+    variables: tuple[str, ...] = ()  # __device__ variables the host looks up by name (global_address)
+
+    def __post_init__(self):
+        names = set(self.paired) | set(self.paired.values()) | self.plain
+        if not names <= set(self.kernels):
+            raise AssertionError(f"kv-canary: family {self.name} pairs or launches plain "
+                                 f"{sorted(names - set(self.kernels))}, which it does not declare; "
+                                 f"expected kernels of its table. Fix: add them to its kernels")
+
+
+_VERIFY_KERNELS = {
     "kvc_verify": VERIFY_PARAMS.name,
     "kvc_verify_wide": VERIFY_PARAMS.name,              # fingerprints of >= WIDE_HASH_BYTES
     "kvc_verify_many": VERIFY_PARAMS.name,              # short strips of >= MANY_SOURCES sources
     "kvc_fused_verify": FUSED_VERIFY_PARAMS.name,
     "kvc_fused_verify_wide": FUSED_VERIFY_PARAMS.name,
     "kvc_fused_verify_many": FUSED_VERIFY_PARAMS.name,
-    "kvc_write": WRITE_PARAMS.name,
-    "kvc_write_pair": WRITE_PAIR.name,
     "kvc_fused_verify_pair": FUSED_VERIFY_PAIR.name,
     "kvc_fused_verify_wide_pair": FUSED_VERIFY_PAIR.name,
     "kvc_fused_verify_many_pair": FUSED_VERIFY_PAIR.name,
-    "kvc_prepare": PREPARE_PARAMS.name,
-    "kvc_expand": EXPAND_PARAMS.name,
-    "kvc_snapshot": SNAPSHOT_PARAMS.name,
-    "kvc_copy_records": RECORDS_PARAMS.name,
-    "kvc_stage_vllm": STAGE_VLLM_PARAMS.name,
-    "kvc_stage_paged": STAGE_PAGED_PARAMS.name,
-    "kvc_stage_sglang": STAGE_SGLANG_PARAMS.name,
-    "kvc_empty": PROBE_PARAMS.name,
-    "kvc_abi_layout": PROBE_PARAMS.name,
-    **{f"kvc_echo_{s.name}": s.name for s in PARAMS_STRUCTS},
 }
+# Kernels launched without PDL even where it is on: the many-source verifies (2 blocks per SM, 35 KB of
+# shared memory each). With them early-resident the 1.1 B model's layers="all" decode step was 4-10 %
+# slower than with plain launches on the H200; without, 0.94-1.04x (docs/performance.md).
+_VERIFY_PLAIN = frozenset({"kvc_verify_many", "kvc_fused_verify_many", "kvc_fused_verify_many_pair"})
+
+# Core families are loaded on every device when its runtime is created; stage (the adapters' staging)
+# and probe (the ABI probe of the GPU tests, the doctor, the launch-overhead benchmark) on first use.
+FAMILIES: tuple[KernelFamily, ...] = (
+    KernelFamily("plan", "plan.cu", {"kvc_prepare": PREPARE_PARAMS.name, "kvc_expand": EXPAND_PARAMS.name}),
+    KernelFamily("verify", "verify.cu", _VERIFY_KERNELS, plain=_VERIFY_PLAIN,
+                 paired={"kvc_fused_verify": "kvc_fused_verify_pair", "kvc_fused_verify_wide": "kvc_fused_verify_wide_pair",
+                         "kvc_fused_verify_many": "kvc_fused_verify_many_pair"}),
+    KernelFamily("write", "write.cu", {"kvc_write": WRITE_PARAMS.name, "kvc_write_pair": WRITE_PAIR.name},
+                 paired={"kvc_write": "kvc_write_pair"}),
+    KernelFamily("records", "records.cu", {"kvc_copy_records": RECORDS_PARAMS.name}),
+    KernelFamily("pump", "pump.cu", {"kvc_snapshot": SNAPSHOT_PARAMS.name}),
+    KernelFamily("stage", "stage.cu", {"kvc_stage_vllm": STAGE_VLLM_PARAMS.name,
+                                       "kvc_stage_paged": STAGE_PAGED_PARAMS.name,
+                                       "kvc_stage_sglang": STAGE_SGLANG_PARAMS.name}, core=False),
+    KernelFamily("probe", "probe.cu", {"kvc_empty": PROBE_PARAMS.name, "kvc_abi_layout": PROBE_PARAMS.name,
+                                       **{f"kvc_echo_{s.name}": s.name for s in PARAMS_STRUCTS}},
+                 core=False, variables=("kvc_echo_buffer",)),
+)
+CORE_FAMILIES = tuple(f for f in FAMILIES if f.core)
+# Derived from FAMILIES: kernel entry point -> its params struct, the paired entry point of a kernel
+# (one launch for both halves) by the kernel's name, the kernels launched without PDL.
+KERNELS: dict[str, str] = {k: s for f in FAMILIES for k, s in f.kernels.items()}
+PAIRED: dict[str, str] = {k: v for f in FAMILIES for k, v in f.paired.items()}
+PLAIN_KERNELS: frozenset[str] = frozenset().union(*(f.plain for f in FAMILIES))
+
+
+def index_families(families: tuple[KernelFamily, ...]) -> dict[str, KernelFamily]:
+    """Kernel or variable name -> its family; a name in two families is refused."""
+    index: dict[str, KernelFamily] = {}
+    for f in families:
+        for name in (*f.kernels, *f.variables):
+            if name in index:
+                raise AssertionError(f"kv-canary: {name} is declared by two families ({index[name].name}, {f.name}); "
+                                     f"expected each name in one. Fix: keep it in the family whose .cu defines it")
+            index[name] = f
+    return index
+
+
+_FAMILY_OF = index_families(FAMILIES)
+
+
+def family_of(name: str) -> KernelFamily:
+    """The family whose program defines kernel (or __device__ variable) ``name``."""
+    try:
+        return _FAMILY_OF[name]
+    except KeyError:
+        raise KeyError(f"kv-canary: no kernel family declares {name!r}; expected a kernel or variable of "
+                       f"abi.FAMILIES. Fix: add it to its family's table in kvcanary/abi.py") from None
 
 
 def field_size(f: Field) -> int:
@@ -583,13 +647,6 @@ FusedVerifyPair = CTYPES["KvcFusedVerifyPair"]
 StageVllmParams = CTYPES["KvcStageVllmParams"]
 StagePagedParams = CTYPES["KvcStagePagedParams"]
 StageSglangParams = CTYPES["KvcStageSglangParams"]
-# Kernels launched without PDL even where it is on: the many-source verifies (2 blocks per SM, 35 KB of
-# shared memory each). With them early-resident the 1.1 B model's layers="all" decode step was 4-10 %
-# slower than with plain launches on the H200; without, 0.94-1.04x (docs/performance.md).
-PLAIN_KERNELS = frozenset({"kvc_verify_many", "kvc_fused_verify_many", "kvc_fused_verify_many_pair"})
-# The paired entry point of a kernel (one launch for both halves), by the kernel's name.
-PAIRED = {"kvc_write": "kvc_write_pair", "kvc_fused_verify": "kvc_fused_verify_pair",
-          "kvc_fused_verify_wide": "kvc_fused_verify_wide_pair", "kvc_fused_verify_many": "kvc_fused_verify_many_pair"}
 
 
 # ---- C++ side ---------------------------------------------------------------------------------------

@@ -50,10 +50,11 @@ def test_kernel_table_names_existing_structs():
     names = {d.name for d in abi.STRUCTS}
     assert set(abi.KERNELS.values()) <= names
     sources = kc_compile.read_sources()
-    body = "\n".join(sources.values())
-    for kernel in abi.KERNELS:
-        if not kernel.startswith("kvc_echo_"):
-            assert re.search(rf"\b{kernel}\(", body), kernel
+    assert sorted(f.source for f in abi.FAMILIES) == sorted(n for n in sources if n.endswith(".cu"))
+    for family in abi.FAMILIES:  # each kernel is defined in its own family's file
+        for kernel in family.kernels:
+            if not kernel.startswith("kvc_echo_"):
+                assert re.search(rf"\b{kernel}\(", sources[family.source]), (family.name, kernel)
 
 
 def test_snapshot_kernel_is_declared_like_the_others():
@@ -84,11 +85,14 @@ def test_misaligned_field_is_rejected_in_python():
 
 
 @pytest.mark.parametrize("arch", kc_compile.SUPPORTED_ARCHS)
-def test_every_kernel_compiles_for_every_default_arch(arch):
-    """The cubin's entry points are exactly abi.KERNELS (a kernel renamed, added or dropped on one
-    side fails here, on the CPU, not when a cubin loads on a device)."""
-    cubin = kc_compile.compile_cubin(kc_compile.read_sources(), abi.render_prelude(), arch)
-    assert entry_points(cubin) == set(abi.KERNELS)
+def test_each_family_compiles_to_exactly_its_kernels_for_every_supported_arch(arch):
+    """Each family's program exports exactly the kernels its abi.FAMILIES entry declares (a name
+    typed in the table but not in its .cu, an extern "C" kernel the table lacks, or a kernel in
+    another family's file fails here, on the CPU, not when a cubin loads on a device)."""
+    sources, prelude = kc_compile.read_sources(), abi.render_prelude()
+    for family in abi.FAMILIES:
+        cubin = kc_compile.compile_family(family, sources, prelude, arch)
+        assert entry_points(cubin) == set(family.kernels), family.name
     # A clean compile has a 1-byte log: writing it must not touch CPython's shared b" ".
     assert b" "[0] == 32 and " ".join(["str", "tag"]) == "str tag"
 
@@ -96,16 +100,25 @@ def test_every_kernel_compiles_for_every_default_arch(arch):
 def test_a_renamed_kernel_is_an_entry_point_abi_does_not_declare():
     sources = dict(kc_compile.read_sources())
     sources["pump.cu"] = sources["pump.cu"].replace("void kvc_snapshot(", "void kvc_snapshot_v2(")
-    got = entry_points(kc_compile.compile_cubin(sources, abi.render_prelude(), 90))
-    assert got ^ set(abi.KERNELS) == {"kvc_snapshot", "kvc_snapshot_v2"}
-    assert set(abi.PAIRED) | set(abi.PAIRED.values()) | abi.PLAIN_KERNELS <= set(abi.KERNELS)
+    pump = abi.family_of("kvc_snapshot")
+    got = entry_points(kc_compile.compile_family(pump, sources, abi.render_prelude(), 90))
+    assert got ^ set(pump.kernels) == {"kvc_snapshot", "kvc_snapshot_v2"}
+
+
+def test_a_family_reads_its_own_file_and_the_headers_only():
+    sources = kc_compile.read_sources()
+    got = kc_compile.family_sources(abi.family_of("kvc_write"), sources)
+    assert sorted(got) == ["common.cuh", "fingerprint.cuh", "write.cu"]
+    with pytest.raises(CompileError, match=r"kernel family write expects kernels_src/write.cu, got only \['plan.cu'\]"):
+        kc_compile.family_sources(abi.family_of("kvc_write"), {"plan.cu": "", "common.cuh": ""})
 
 
 def test_layout_drift_fails_the_compile_with_the_static_assert():
     offsets = {d.name: abi.layout(d) for d in abi.STRUCTS}
     offsets["KvcVerifyParams"] = dict(offsets["KvcVerifyParams"], plan_capacity=offsets["KvcVerifyParams"]["plan_capacity"] + 8)
-    with pytest.raises(CompileError) as err:
-        kc_compile.compile_cubin(kc_compile.read_sources(), abi.render_prelude(offsets=offsets), 90)
+    with pytest.raises(CompileError) as err:  # any family: each program includes the prelude
+        kc_compile.compile_family(abi.family_of("kvc_snapshot"), kc_compile.read_sources(),
+                                  abi.render_prelude(offsets=offsets), 90)
     assert "offset of KvcVerifyParams.plan_capacity differs from abi.py" in str(err.value)
     assert "--gpu-architecture=sm_90" in str(err.value)  # the error carries the options
 
@@ -115,7 +128,8 @@ def test_compile_error_carries_log_and_numbered_source():
     assert "p.plan_num_valid" in sources["verify.cu"]
     sources["verify.cu"] = sources["verify.cu"].replace("p.plan_num_valid", "p.no_such_field")
     with pytest.raises(CompileError) as err:
-        kc_compile.compile_cubin(sources, abi.render_prelude(), 80)
+        kc_compile.compile_family(abi.family_of("kvc_verify"), sources, abi.render_prelude(), 80)
     text = str(err.value)
-    assert text.startswith("kv-canary:") and "no_such_field" in text and "--- source ---" in text
+    assert text.startswith("kv-canary: NVRTC could not compile kvcanary_verify.cu for sm_80")
+    assert "no_such_field" in text and "--- source ---" in text and "// ===== verify.cu" in text
     assert re.search(r"^\s+\d+  ", text, re.M)  # numbered lines

@@ -13,6 +13,8 @@ import warnings
 import pytest
 
 import kvcanary as kc
+
+from kvcanary import abi
 from kvcanary.runtime import cubin_cache as kcache
 from kvcanary.runtime import nvrtc_build as kc_compile
 from kvcanary.runtime import parallel_compile as kc_parallel
@@ -81,8 +83,9 @@ def test_load_kernels_hits_after_a_miss(tmp_path, capsys):
     first = kc_compile.load_kernels((90,), cache=c)
     cold = capsys.readouterr().err
     second = kc_compile.load_kernels((90,), cache=kcache.CubinCache(tmp_path))
-    assert (first.misses, second.hits, second.misses) == (1, 1, 0)
-    assert first.cubins == second.cubins
+    n = len(abi.FAMILIES)  # one cubin per family
+    assert (first.misses, second.hits, second.misses) == (n, n, 0) and len(list(tmp_path.iterdir())) == n
+    assert first.cubins == second.cubins and set(first.cubins[90]) == {f.name for f in abi.FAMILIES}
     # a cold compile says so on stderr (what, why, how to avoid it), then a line per finished arch;
     # a warm load is silent
     line, progress = cold.splitlines()
@@ -102,12 +105,67 @@ def test_compiled_kernels_repr_is_short():
     c = kvcanary.COMPILED
     text = repr(c)
     assert len(text) < 200 * (1 + len(c.cubins)), len(text)   # never the cubin bytes (megabytes)
-    for arch, cubin in c.cubins.items():
-        assert f"sm_{arch}: {len(cubin) / 1e6:.2f} MB" in text
+    for arch, cubins in c.cubins.items():
+        assert f"sm_{arch}: {len(cubins)} families, {sum(map(len, cubins.values())) / 1e6:.2f} MB" in text
     assert f"nvrtc={c.nvrtc!r}" in text and f"hits={c.hits}" in text and "b'" not in text
-    fake = kc_compile.CompiledKernels({90: b"x" * 3_000_000}, "wheel 13.0", None, 0, 1, keys={90: "ab" * 32})
-    assert repr(fake) == ("CompiledKernels(cubins={sm_90: 3.00 MB}, nvrtc='wheel 13.0', cache_dir=None, hits=0, "
-                          "misses=1, skipped_archs=(), keys={sm_90: abababababab…})")
+    fake = kc_compile.CompiledKernels({90: {"verify": b"x" * 2_000_000, "pump": b"x" * 1_000_000}}, "wheel 13.0",
+                                      None, 0, 2, keys={(90, "verify"): "ab" * 32, (90, "pump"): "cd" * 32})
+    assert repr(fake) == ("CompiledKernels(cubins={sm_90: 2 families, 3.00 MB}, nvrtc='wheel 13.0', cache_dir=None, "
+                          "hits=0, misses=2, skipped_archs=(), keys=2)")
+    assert fake.sizes(90) == {"verify": 2_000_000, "pump": 1_000_000} and fake.sizes(80) == {}
+
+
+def _family_keys(sources, prelude, arch=90):
+    return {f.name: kc_compile.family_key(f, arch, sources, prelude, "wheel 13.0") for f in abi.FAMILIES}
+
+
+def test_a_family_key_covers_what_its_program_reads_and_nothing_else():
+    """Catches one key over every kernels_src file (an edit anywhere recompiled every kernel):
+    an edit of verify.cu changes the verify family's key only; a header or the prelude, every key."""
+    sources, prelude = kc_compile.read_sources(), abi.render_prelude()
+    base = _family_keys(sources, prelude)
+    assert len(set(base.values())) == len(abi.FAMILIES)  # the family name is in the key
+    for family in abi.FAMILIES:
+        edited = _family_keys(dict(sources, **{family.source: sources[family.source] + "// edited\n"}), prelude)
+        assert [n for n in base if edited[n] != base[n]] == [family.name]
+    for header in [n for n in sources if n.endswith(".cuh")]:
+        edited = _family_keys(dict(sources, **{header: sources[header] + "// edited\n"}), prelude)
+        assert all(edited[n] != base[n] for n in base), header
+    assert all(k != base[n] for n, k in _family_keys(sources, prelude + "\n").items())
+    assert all(k != base[n] for n, k in _family_keys(sources, prelude, arch=80).items())
+
+
+def test_an_edit_of_verify_cu_recompiles_the_verify_family_only(tmp_path, monkeypatch, capsys):
+    compiled = []
+
+    def compile_units(units, programs, prelude):  # records what would compile (NVRTC not run)
+        for arch, name in units:
+            assert next(f for f in abi.FAMILIES if f.name == name).source in programs[name]
+            compiled.append((arch, name))
+            yield arch, name, f"cubin of {name}".encode()
+    monkeypatch.setattr(kc_parallel, "compile_units", compile_units)
+    monkeypatch.setattr(kc_compile, "supported_archs", lambda: (80, 90))
+    kc_compile.load_kernels((90,), cache=kcache.CubinCache(tmp_path))
+    assert sorted(compiled) == sorted((90, f.name) for f in abi.FAMILIES)
+    compiled.clear()
+    sources = kc_compile.read_sources()
+    monkeypatch.setattr(kc_compile, "read_sources", lambda: dict(sources, **{"verify.cu": sources["verify.cu"] + "\n"}))
+    again = kc_compile.load_kernels((90,), cache=kcache.CubinCache(tmp_path))
+    assert compiled == [(90, "verify")] and (again.hits, again.misses) == (len(abi.FAMILIES) - 1, 1)
+    assert again.cubins[90]["pump"] == b"cubin of pump"
+    capsys.readouterr()
+
+
+def test_load_kernels_of_some_families_compiles_and_names_those_only(tmp_path, monkeypatch, capsys):
+    """A device of an arch outside the configured list loads a lazy family at its first use: only
+    that family compiles, and the notice names it."""
+    compiled = []
+    monkeypatch.setattr(kc_parallel, "compile_units", lambda units, programs, prelude: [
+        compiled.append(u) or (*u, b"x") for u in units])
+    monkeypatch.setattr(kc_compile, "supported_archs", lambda: (100,))
+    got = kc_compile.load_kernels((100,), cache=kcache.CubinCache(tmp_path), families=(abi.family_of("kvc_empty"),))
+    assert compiled == [(100, "probe")] and got.cubins == {100: {"probe": b"x"}}
+    assert "compiling the CUDA kernels (probe) with NVRTC for sm_100" in capsys.readouterr().err
 
 
 def test_archs_env(monkeypatch):
@@ -210,48 +268,79 @@ def test_warm_import_loads_neither_importlib_metadata_nor_a_thread_pool(tmp_path
 TINY = {"tiny.cu": 'extern "C" __global__ void kvc_tiny(int* p) { if (p) *p = 1; }\n'}
 
 
-def test_archs_compile_in_parallel_processes_to_the_same_cubins(monkeypatch):
-    """Catches the first import's compile running one arch at a time (NVRTC holds the GIL: a thread
-    pool compiled six archs in 35 s on two cores): every arch past the first goes to a worker
-    process, and each yields the cubin this process would compile."""
+def _units(archs, names=("tiny",)):
+    return [(a, n) for a in archs for n in names]
+
+
+PROGRAMS = {"tiny": TINY, "small": {"small.cu": TINY["tiny.cu"].replace("kvc_tiny", "kvc_small")}}
+
+
+def _here(arch, name):
+    return kc_compile.compile_cubin(PROGRAMS[name], "", arch, program=kc_compile.program_name(name))
+
+
+def test_units_compile_in_parallel_processes_to_the_same_cubins(monkeypatch, capsys):
+    """Catches the first import's compile running one program at a time (NVRTC holds the GIL: a
+    thread pool compiled six archs in 35 s on two cores): the units go to one worker process per
+    CPU, each worker compiles several, and each yields the cubin this process would compile."""
     import subprocess
     started = []
     real_popen = subprocess.Popen
     monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: started.append(a[0]) or real_popen(*a, **k))
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    got = dict(kc_parallel.compile_archs([80, 90], TINY, ""))
-    workers = [cmd[-1] for cmd in started if "kvcanary.runtime.parallel_compile" in cmd]
-    assert sorted(got) == [80, 90] and workers == ["90"]
-    for arch, cubin in got.items():
-        assert cubin == kc_compile.compile_cubin(TINY, "", arch)
+    got = {(a, n): c for a, n, c in kc_parallel.compile_units(_units([80, 90], PROGRAMS), PROGRAMS, "")}
+    assert sorted(got) == sorted(_units([80, 90], PROGRAMS))
+    assert len([cmd for cmd in started if "kvcanary.runtime.parallel_compile" in cmd]) == 2  # not one per unit
+    for (arch, name), cubin in got.items():
+        assert cubin == _here(arch, name)
+    lines = capsys.readouterr().err.splitlines()  # one line per finished arch
+    assert len(lines) == 2 and all(re.fullmatch(r"kvcanary: compiled sm_(80|90) \(\d+\.\d s\)", x) for x in lines)
 
 
-def test_a_worker_that_cannot_start_leaves_its_arch_to_this_process(monkeypatch):
+def test_one_unit_compiles_here_without_a_worker(monkeypatch):
+    import subprocess
+
+    def no_worker(*a, **k):
+        raise AssertionError("a worker started for one unit")
+    monkeypatch.setattr(subprocess, "Popen", no_worker)
+    assert list(kc_parallel.compile_units([(90, "tiny")], PROGRAMS, "")) == [(90, "tiny", _here(90, "tiny"))]
+
+
+def test_a_worker_that_cannot_start_leaves_its_units_to_this_process(monkeypatch):
     import subprocess
 
     def no_interpreter(*a, **k):
         raise OSError("no interpreter")
     monkeypatch.setattr(subprocess, "Popen", no_interpreter)
     monkeypatch.setattr(os, "cpu_count", lambda: 4)
-    got = dict(kc_parallel.compile_archs([80, 86, 90], TINY, ""))
-    assert sorted(got) == [80, 86, 90] and all(got.values())
+    got = list(kc_parallel.compile_units(_units([80, 86, 90]), PROGRAMS, ""))
+    assert sorted((a, n) for a, n, _ in got) == _units([80, 86, 90]) and all(c for *_, c in got)
 
 
-def test_a_worker_that_hangs_is_killed_and_its_arch_compiled_here(monkeypatch):
+def test_a_worker_that_hangs_is_killed_and_its_unit_compiled_here(monkeypatch):
     """Never wait forever: a worker that delivers nothing in time is killed, and this process
-    compiles its arch (an import must not hang on a stuck child)."""
+    compiles its unit (an import must not hang on a stuck child)."""
     import subprocess
     import sys
     real_popen = subprocess.Popen
     hung = []
 
-    def sleeper(cmd, *a, **k):  # a worker that reads its input and then never answers
-        proc = real_popen([sys.executable, "-c", "import sys, time; sys.stdin.buffer.read(); time.sleep(60)"], *a, **k)
+    def sleeper(cmd, *a, **k):  # a worker that never answers (nor reads its requests)
+        proc = real_popen([sys.executable, "-c", "import time; time.sleep(60)"], *a, **k)
         hung.append(proc)
         return proc
     monkeypatch.setattr(subprocess, "Popen", sleeper)
     monkeypatch.setattr(kc_parallel, "WORKER_TIMEOUT_S", 0.5)
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    got = dict(kc_parallel.compile_archs([80, 90], TINY, ""))
-    assert sorted(got) == [80, 90] and got[90] == kc_compile.compile_cubin(TINY, "", 90)
-    assert len(hung) == 1 and hung[0].returncode is not None  # killed, not left behind
+    got = {(a, n): c for a, n, c in kc_parallel.compile_units(_units([80, 90]), PROGRAMS, "")}
+    assert sorted(got) == _units([80, 90]) and got[90, "tiny"] == _here(90, "tiny")
+    for proc in hung:
+        proc.wait(10)  # killed, not left behind
+    assert len(hung) == 2 and all(p.returncode is not None for p in hung)
+
+
+def test_a_failed_unit_raises_its_compile_error_here(monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    broken = {"tiny": TINY, "bad": {"bad.cu": "extern \"C\" __global__ void kvc_bad() { nope; }\n"}}
+    with pytest.raises(kc.CompileError, match=r"could not compile kvcanary_bad.cu for sm_90"):
+        list(kc_parallel.compile_units(_units([90], broken), broken, ""))

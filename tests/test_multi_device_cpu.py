@@ -32,6 +32,7 @@ CTX0 = 0x7000
 INVALID_HANDLE = real.CUresult.CUDA_ERROR_INVALID_HANDLE
 INVALID_CONTEXT = real.CUresult.CUDA_ERROR_INVALID_CONTEXT
 _DECLS = {d.name: d for d in abi.STRUCTS}
+CORE_LOADS = sorted(d for d in range(3) for _ in abi.CORE_FAMILIES)  # fake.loads after three runtimes
 
 
 class MultiDeviceFake(fake_cuda.FakeDriver):
@@ -141,20 +142,23 @@ class MultiDeviceFake(fake_cuda.FakeDriver):
         return super().cuMemcpyDtoH(dst, src, nbytes)
 
     # ---- libraries, streams, launches ------------------------------------------------------------
-    def cuLibraryLoadData(self, *args):
+    def cuLibraryLoadData(self, cubin, *args):
         dev = self._need_context("cuLibraryLoadData")
         with self.lock:
             self.loads.append(dev)
-        return OK, f"library{dev}"
+            err, library = super().cuLibraryLoadData(cubin)
+        library.device = dev
+        return err, library
 
     def cuLibraryGetKernel(self, library, name):
-        return OK, (library, name.decode())
+        err, kernel = super().cuLibraryGetKernel(library, name)
+        return err, (library.device, kernel)
 
     def cuKernelGetParamInfo(self, kernel, index):
         return super().cuKernelGetParamInfo(kernel[1], index)
 
     def cuKernelGetFunction(self, kernel):
-        return OK, (int(kernel[0][7:]), kernel[1])  # (device, name): valid in that context only
+        return OK, kernel  # (device, name): valid in that context only
 
     def cuStreamCreate(self, flags):
         dev = self._need_context("cuStreamCreate")
@@ -250,11 +254,32 @@ def test_each_device_has_its_own_runtime_context_and_library(fake):
     rts = [driver.runtime(d) for d in range(3)]
     assert [rt.ordinal for rt in rts] == [0, 1, 2]
     assert [rt.context for rt in rts] == [CTX0, CTX0 + 1, CTX0 + 2]
-    assert sorted(fake.loads) == [0, 1, 2]            # one library per device, in its own context
+    assert sorted(fake.loads) == CORE_LOADS           # one library per core family and device, in its own context
     assert all(rt.functions["kvc_write"] == (d, "kvc_write") for d, rt in enumerate(rts))
     assert not any(rt.sole for rt in rts)             # several devices: the context is checked per launch
-    assert driver.runtime(1) is rts[1] and sorted(fake.loads) == [0, 1, 2]
+    assert driver.runtime(1) is rts[1] and sorted(fake.loads) == CORE_LOADS
     assert fake.stack() == [] and fake.errors == []
+
+
+def test_a_lazy_family_loads_once_in_its_own_devices_context_whatever_is_current(fake):
+    """A family loaded on first use (probe) loads on the device of the runtime asked, in that
+    device's context, even from a thread where another device's context (or none) is current,
+    and leaves that thread's context as it was; each device loads it once."""
+    rts = [driver.runtime(d) for d in range(3)]
+    n = len(fake.loads)
+    fake.cuCtxPushCurrent(real.CUcontext(CTX0))       # a caller working on cuda:0
+    assert rts[2].functions["kvc_empty"] == (2, "kvc_empty")
+    assert fake.loads[n:] == [2] and fake.stack() == [CTX0]
+    fake.cuCtxPopCurrent()
+    done = []
+    thread = threading.Thread(target=lambda: done.append(rts[1].global_address("kvc_echo_buffer")[1]))
+    fake.globals["kvc_echo_buffer"] = (0x5000, abi.ECHO_BYTES)
+    thread.start()
+    thread.join(10)
+    assert done == [abi.ECHO_BYTES] and fake.loads[n:] == [2, 1]  # no context current there: pushed, popped
+    rts[2].functions["kvc_abi_layout"]
+    assert fake.loads[n:] == [2, 1] and fake.library_loads[-2:] == ["probe", "probe"]
+    assert "probe" in rts[2].libraries and "probe" not in rts[0].libraries and fake.errors == []
 
 
 def test_owned_memory_is_allocated_and_freed_in_its_devices_context(fake):
@@ -392,7 +417,7 @@ def test_canaries_on_several_devices_from_several_threads(fake):
         got = [(r["slot_idx"], r["step"]) for r in records if r["type"] == "violation"]
         assert got == ([(41, 3)] if (d, k) == (1, 1) else []), (d, k)
         assert stats["step"] == 6 and stack == []
-    assert sorted(fake.loads) == [0, 1, 2]            # concurrent first use loaded each library once
+    assert sorted(fake.loads) == CORE_LOADS           # concurrent first use loaded each library once
     for d in range(3):
         assert fake.by_device[d].count("kvc_snapshot") == 2 * (6 + 1)  # two canaries: six steps and a flush each
     assert fake.errors == []

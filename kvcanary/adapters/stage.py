@@ -49,6 +49,7 @@ class _Stager:
     def __init__(self, device: int, sizes: dict):
         self.device = integer("device", device, lo=0, fix="pass a CUDA device ordinal")
         self.rt = driver.runtime(self.device)
+        self.rt.functions.library(abi.family_of(self.KERNEL))  # loaded now, never in a stream capture of a step
         self.buffers = {name: memory.zeros((n,), np.int64, self.device) for name, n in sizes.items()}
         self.packed = PackCache(KEPT)
         self.batches: OrderedDict = OrderedDict()  # the shape of a step -> its Batch of views

@@ -35,6 +35,8 @@ def run(out=sys.stdout) -> int:
         say("NVRTC", f"error: {type(exc).__name__}: {str(exc).splitlines()[0]} (fix: pip install nvidia-cuda-nvrtc)")
         status = 1
     say("archs compiled", ", ".join(f"sm_{a}" for a in sorted(c.cubins)))
+    for a in sorted(c.cubins):  # one cubin per kernel family (abi.FAMILIES)
+        say(f"cubins sm_{a}", ", ".join(f"{f} {n / 1024:.0f} KB" for f, n in c.sizes(a).items()))
     if c.skipped_archs:
         say("archs skipped", ", ".join(f"sm_{a}" for a in c.skipped_archs))
     say("compile cache", f"{c.cache_dir or 'disabled (memory only)'}; import: {c.hits} hit(s), {c.misses} miss(es)")

@@ -1,7 +1,8 @@
 """On-disk cache of compiled cubins.
 
 Key: sha256 over labelled fields that name every input of a compile (schema, kvcanary version,
-NVRTC version, arch, sorted options, prelude and every kernels_src byte). Entries are written to a
+NVRTC version, arch, kernel family, sorted options, prelude and every byte of the kernels_src files
+the family's program reads: its .cu and the .cuh headers). Entries are written to a
 same-directory temp file and moved into place with ``os.replace`` (atomic, no locks; concurrent
 writers of one key write identical bytes). Each entry carries the sha256 of its payload, so a
 truncated or corrupt entry is a miss, never a wrong cubin. An unwritable directory falls back to

@@ -1,10 +1,11 @@
 """CUDA driver runtime: initialised on the first launch, never at import.
 
-Per device: ``cuInit``, the primary context (shared with torch, CuPy and JAX), ``cuLibraryLoadData``
-of the cubin for the device's arch, and a check of every kernel's parameter size against the
-ctypes struct of abi.py. A launch is one ``cuLaunchKernelEx`` with the params struct passed by
-value through a pointer array (a packed one: :class:`kvcanary.runtime.launch.Launch`); on sm_90+ it allows
-programmatic stream serialization (:func:`kvcanary.runtime.launch.launch_config`; ``KVCANARY_PDL=0``: not).
+Per device: ``cuInit``, the primary context (shared with torch, CuPy and JAX), and its kernels:
+one ``cuLibraryLoadData`` per kernel family of the device's arch, the core families at once, the
+others on first use, each kernel's parameter size checked against abi.py (:mod:`kvcanary.runtime.kernel_library`).
+A launch is one ``cuLaunchKernelEx`` with the params struct passed by value through a pointer
+array (a packed one: :class:`kvcanary.runtime.launch.Launch`); on sm_90+ it allows programmatic stream
+serialization (:func:`kvcanary.runtime.launch.launch_config`; ``KVCANARY_PDL=0``: not).
 Thread-safe; one runtime per device ordinal.
 """
 
@@ -15,13 +16,8 @@ import threading
 from dataclasses import dataclass, field
 
 from .. import abi
-from ..errors import (
-    DriverError,
-    KvCanaryError,
-    NoCudaDriverError,
-    UnsupportedDeviceError,
-)
-from . import nvrtc_build as nvrtc_compile
+from . import kernel_library
+from ..errors import DriverError, KvCanaryError, NoCudaDriverError, UnsupportedDeviceError
 from .launch import PLAIN_KERNELS, launch_config, pdl_wanted
 
 _lock = threading.Lock()
@@ -108,8 +104,7 @@ class DeviceRuntime:
     capability: tuple[int, int]
     sm_count: int
     arch: int
-    functions: dict[str, object] = field(default_factory=dict)
-    library: object = None
+    functions: kernel_library.Kernels = None  # kernel -> CUfunction; a lazy family loads on its first lookup
     sole: bool = False  # the only CUDA device of the process
     pdl: bool = False  # launches may start during the previous kernel of their stream (common.cuh)
     _streams: dict = field(default_factory=dict)  # CUstream objects by handle (launch hot path)
@@ -236,10 +231,15 @@ class DeviceRuntime:
             n = self._occupancy[key] = max(1, int(per_sm)) * self.sm_count
         return n
 
+    @property
+    def libraries(self) -> dict[str, object]:
+        """The CUlibrary of each family loaded on this device, by family name."""
+        return self.functions.libraries
+
     def global_address(self, name: str) -> tuple[int, int]:
-        d = _driver()
-        ptr, size = check(self.call(d.cuLibraryGetGlobal, self.library, name.encode()),
-                          f"cuLibraryGetGlobal({name})")
+        """Address and size of the __device__ variable ``name`` (its family loaded if not yet)."""
+        library = self.functions.library(abi.family_of(name))
+        ptr, size = check(self.call(_driver().cuLibraryGetGlobal, library, name.encode()), f"cuLibraryGetGlobal({name})")
         return int(ptr), int(size)
 
 
@@ -265,35 +265,13 @@ def _load(ordinal: int) -> DeviceRuntime:
 
 
 def _load_library(ordinal: int, ctx: int, capability: tuple[int, int], sms: int) -> DeviceRuntime:
-    d = _driver()
-    major, minor = capability
-    compiled = nvrtc_compile.loaded()
-    arch = nvrtc_compile.pick_cubin(compiled.cubins, (major, minor)) if compiled else None
-    if arch is None:  # an arch outside the configured list: compile it now (and cache it)
-        arch = major * 10 + minor
-        compiled = nvrtc_compile.load_kernels((arch,))
-    cubin = compiled.cubins[arch]
-    library = check(d.cuLibraryLoadData(cubin, None, None, 0, None, None, 0), "cuLibraryLoadData",
-                    f"loading the sm_{arch} cubin on device {ordinal} (sm_{major}{minor})")
+    """The runtime of a device whose context is current, its core families loaded."""
+    arch, cubins = kernel_library.device_cubins(capability)
     rt = DeviceRuntime(ordinal=ordinal, context=ctx, capability=capability, sm_count=sms,
-                       arch=arch, library=library, sole=device_count() == 1, pdl=pdl_wanted(arch))
-    for name, struct_name in abi.KERNELS.items():
-        kernel = check(d.cuLibraryGetKernel(library, name.encode()), f"cuLibraryGetKernel({name})")
-        _check_param_size(kernel, name, ctypes.sizeof(abi.CTYPES[struct_name]))
-        rt.functions[name] = check(d.cuKernelGetFunction(kernel), f"cuKernelGetFunction({name})")
+                       arch=arch, sole=device_count() == 1, pdl=pdl_wanted(arch))
+    rt.functions = kernel_library.Kernels(rt, cubins)
+    rt.functions.load_core()
     return rt
-
-
-def _check_param_size(kernel, name: str, expected: int) -> None:
-    d = _driver()
-    offset, size = check(d.cuKernelGetParamInfo(kernel, 0), f"cuKernelGetParamInfo({name}, 0)")
-    err, *_ = d.cuKernelGetParamInfo(kernel, 1)
-    if int(offset) != 0 or int(size) != expected or int(err) == 0:
-        raise DriverError(f"load of kernel {name}", "ABI_MISMATCH",
-                          f"expected one parameter of {expected} bytes (ctypes sizeof), the cubin "
-                          f"declares {size} bytes at offset {offset}"
-                          + (" and more parameters" if int(err) == 0 else "")
-                          + ". Fix: clear the compile cache (KVCANARY_CACHE_DIR) and reinstall kvcanary")
 
 
 def runtime(ordinal: int) -> DeviceRuntime:

@@ -1,12 +1,14 @@
-"""NVRTC compilation of every kernel in kernels_src/ to cubins, one per configured arch.
+"""NVRTC compilation of the kernel families of kernels_src/ to cubins, one per family and arch.
 
-``import kvcanary`` calls :func:`load_kernels`, which reads the cubins from the disk cache or
+Each family of ``abi.FAMILIES`` is its own NVRTC program (its .cu, the .cuh headers and the generated
+prelude), compiled and cached per arch on its own: an edit of verify.cu recompiles the verify family
+only. ``import kvcanary`` calls :func:`load_kernels`, which reads the cubins from the disk cache or
 compiles them. NVRTC needs no driver and no GPU, so this runs on CPU-only machines (and in CI).
 Cubins, not PTX: a driver older than NVRTC rejects its PTX but loads its cubins. Never calls cuInit.
 Environment: ``KVCANARY_ARCHS`` (comma-separated, e.g. "80,90"; default :data:`DEFAULT_ARCHS`).
 A cold compile (nothing in the cache) first prints one line on stderr saying so, then one per
-finished arch (each arch past the first compiles in a worker process, :mod:`kvcanary.runtime.parallel_compile`:
-NVRTC holds the GIL); a warm import prints nothing.
+finished arch (the programs compile in worker processes, :mod:`kvcanary.runtime.parallel_compile`: NVRTC holds the
+GIL); a warm import prints nothing.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from pathlib import Path
 
 from .. import abi
 from .._version import __version__
-from ..errors import CompileError, ValidationError
 from .cubin_cache import CubinCache, cache_key, default_dir
+from ..errors import CompileError, ValidationError
 
 # Every arch the kernels are built and tested for (the CPU tier compiles each). Import compiles
 # DEFAULT_ARCHS: an sm_80 cubin runs on every 8.x GPU (sm_86, sm_89), sm_90 adds Hopper's
@@ -51,6 +53,15 @@ def read_sources(directory: Path | None = None) -> dict[str, str]:
         raise CompileError(f"kv-canary: no kernel sources (*.cu) found in {directory}; expected the "
                            f"kernels_src folder of the kvcanary package. Fix: reinstall kvcanary.")
     return {p.name: p.read_text() for p in files}
+
+
+def family_sources(family: abi.KernelFamily, sources: dict[str, str]) -> dict[str, str]:
+    """What the program of ``family`` reads: its .cu and every .cuh header of ``sources``."""
+    if family.source not in sources:
+        raise CompileError(f"kv-canary: kernel family {family.name} expects kernels_src/{family.source}, got only "
+                           f"{sorted(n for n in sources if n.endswith('.cu'))}. Fix: reinstall kvcanary, or name "
+                           f"the family's file in kvcanary/abi.py FAMILIES")
+    return {n: s for n, s in sources.items() if n == family.source or n.endswith(".cuh")}
 
 
 def configured_archs() -> tuple[int, ...]:
@@ -135,12 +146,12 @@ def _out_buffer(size: int) -> bytes:
 
 
 def compile_cubin(sources: dict[str, str], prelude: str, arch: int,
-                  options: tuple[str, ...] = OPTIONS) -> bytes:
+                  options: tuple[str, ...] = OPTIONS, program: str = "kvcanary_kernels.cu") -> bytes:
     """Compile every .cu of ``sources`` as one NVRTC program for sm_<arch>; return the cubin."""
     nvrtc = _nvrtc()
     main = "".join(f'#include "{name}"\n' for name in sources if name.endswith(".cu"))
     headers = {PRELUDE_NAME: prelude, **sources}
-    err, prog = nvrtc.nvrtcCreateProgram(main.encode(), b"kvcanary_kernels.cu", len(headers),
+    err, prog = nvrtc.nvrtcCreateProgram(main.encode(), program.encode(), len(headers),
                                          [v.encode() for v in headers.values()],
                                          [k.encode() for k in headers])
     _check(err, "nvrtcCreateProgram")
@@ -154,7 +165,7 @@ def compile_cubin(sources: dict[str, str], prelude: str, arch: int,
         if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
             named = [n for n in headers if re.search(rf"\b{re.escape(n)}\(\d+\)", log_text)]
             shown = "\n".join(f"// ===== {n}\n{headers[n]}" for n in (named or list(sources)))
-            raise CompileError(f"kv-canary: NVRTC could not compile the kernels for sm_{arch} "
+            raise CompileError(f"kv-canary: NVRTC could not compile {program} for sm_{arch} "
                                f"({result.name}); expected a clean compile of kernels_src. Fix: "
                                f"correct the source named in the log below.",
                                log=log_text, options=opts, source=shown)
@@ -167,76 +178,106 @@ def compile_cubin(sources: dict[str, str], prelude: str, arch: int,
         nvrtc.nvrtcDestroyProgram(prog)
 
 
+def program_name(family: str) -> str:
+    """The NVRTC program name of a family (its cubin's line info names it)."""
+    return f"kvcanary_{family}.cu"
+
+
+def compile_family(family: abi.KernelFamily, sources: dict[str, str], prelude: str, arch: int) -> bytes:
+    """The cubin of one family's program for sm_<arch>."""
+    return compile_cubin(family_sources(family, sources), prelude, arch, program=program_name(family.name))
+
+
+def family_key(family: abi.KernelFamily, arch: int, sources: dict[str, str], prelude: str, identity: str) -> str:
+    """The cache key of a family's cubin for sm_<arch>: every input of its program, nothing else."""
+    return cache_key(schema="kvcanary-kernels/2", kvcanary=__version__, nvrtc=identity, arch=arch, family=family.name,
+                     options=tuple(sorted(OPTIONS)), prelude=prelude.encode(),
+                     sources=tuple((n, s.encode()) for n, s in family_sources(family, sources).items()))
+
+
 @dataclass(repr=False)
 class CompiledKernels:
-    """Cubins by arch plus what the doctor reports about how they were obtained. Its repr names
-    the archs and cubin sizes, never the cubin bytes (megabytes)."""
+    """Cubins by arch, then by family name, plus what the doctor reports about how they were
+    obtained. Its repr names the archs, families and sizes, never the cubin bytes (megabytes)."""
 
-    cubins: dict[int, bytes]
-    nvrtc: str  # nvrtc_identity(): what the cache key names
+    cubins: dict[int, dict[str, bytes]]
+    nvrtc: str  # nvrtc_identity(): what the cache keys name
     cache_dir: Path | None
     hits: int
     misses: int
     skipped_archs: tuple[int, ...] = ()
-    keys: dict[int, str] = field(default_factory=dict)
+    keys: dict[tuple[int, str], str] = field(default_factory=dict)  # (arch, family) -> cache key
+
+    def sizes(self, arch: int) -> dict[str, int]:
+        """Bytes of each family's cubin for ``arch``."""
+        return {f: len(c) for f, c in self.cubins.get(arch, {}).items()}
 
     def __repr__(self) -> str:
-        sizes = ", ".join(f"sm_{a}: {len(c) / 1e6:.2f} MB" for a, c in sorted(self.cubins.items()))
-        keys = ", ".join(f"sm_{a}: {k[:12]}…" for a, k in sorted(self.keys.items()))
+        sizes = ", ".join(f"sm_{a}: {len(c)} families, {sum(self.sizes(a).values()) / 1e6:.2f} MB"
+                          for a, c in sorted(self.cubins.items()))
         return (f"CompiledKernels(cubins={{{sizes}}}, nvrtc={self.nvrtc!r}, cache_dir="
                 f"{str(self.cache_dir) if self.cache_dir else None!r}, hits={self.hits}, misses={self.misses}, "
-                f"skipped_archs={self.skipped_archs}, keys={{{keys}}})")
+                f"skipped_archs={self.skipped_archs}, keys={len(self.keys)})")
 
 
-def compile_notice(archs, cache_dir: Path | None) -> str:
+def compile_notice(archs, cache_dir: Path | None, families=None) -> str:
     """The one stderr line printed before a cold compile: what runs, why, and how to avoid it."""
     where = (f"cached in {cache_dir} for the next import" if cache_dir is not None
              else "not cached: KVCANARY_CACHE=0 compiles at every import")
-    return (f"kvcanary: compiling the CUDA kernels with NVRTC for {', '.join(f'sm_{a}' for a in archs)} "
+    which = f" ({', '.join(sorted(families))})" if families else ""
+    return (f"kvcanary: compiling the CUDA kernels{which} with NVRTC for {', '.join(f'sm_{a}' for a in archs)} "
             f"(about 6 s of CPU per arch, one process per CPU; {where}). To compile fewer, set KVCANARY_ARCHS to "
             f"your GPUs' archs, e.g. KVCANARY_ARCHS=90; KVCANARY_CACHE_DIR picks the cache directory.")
 
 
-def pick_cubin(cubins: dict[int, bytes], capability: tuple[int, int]) -> int | None:
-    """Highest compiled arch a device can run: same major, minor not above the device's."""
+def pick_cubin(cubins: dict[int, dict[str, bytes]], capability: tuple[int, int]) -> int | None:
+    """Highest compiled arch (a key of ``cubins``) a device can run: same major, minor not above the device's."""
     major, minor = capability
     fits = [a for a in cubins if a // 10 == major and a % 10 <= minor]
     return max(fits) if fits else None
 
 
-def load_kernels(archs: tuple[int, ...] | None = None, cache: CubinCache | None = None) -> CompiledKernels:
-    """Cubins for every arch, from the cache when possible, compiled (in parallel) otherwise. The
-    configured archs' set (no ``archs``, the default cache) is kept: :func:`loaded` returns it."""
+def load_kernels(archs: tuple[int, ...] | None = None, cache: CubinCache | None = None,
+                 families: tuple[abi.KernelFamily, ...] | None = None) -> CompiledKernels:
+    """Cubins of every family (or of ``families``) for every arch, from the cache when possible,
+    compiled (in parallel) otherwise. The configured archs' set (no arguments, the default cache) is
+    kept: :func:`loaded` returns it."""
     global _LOADED
-    default = archs is None and cache is None
-    archs = archs or configured_archs()
+    default = archs is None and cache is None and families is None
+    archs, families = archs or configured_archs(), families or abi.FAMILIES
     cache = cache if cache is not None else CubinCache(default_dir())
     identity = nvrtc_identity()
     sources, prelude = read_sources(), abi.render_prelude()
-    keys = {a: cache_key(schema="kvcanary-kernels/1", kvcanary=__version__, nvrtc=identity, arch=a,
-                         options=tuple(sorted(OPTIONS)), prelude=prelude.encode(),
-                         sources=tuple((n, s.encode()) for n, s in sources.items()))
-            for a in archs}
+    keys = {(a, f.name): family_key(f, a, sources, prelude, identity) for a in archs for f in families}
     hits0, misses0 = cache.hits, cache.misses
-    cubins = {a: c for a in archs if (c := cache.get(keys[a])) is not None}
-    todo = [a for a in archs if a not in cubins]
+    cubins: dict[int, dict[str, bytes]] = {a: {} for a in archs}
+    todo = []
+    for (a, name), key in keys.items():
+        if (cubin := cache.get(key)) is not None:
+            cubins[a][name] = cubin
+        else:
+            todo.append((a, name))
     skipped: tuple[int, ...] = ()
     if todo:  # only now is libnvrtc loaded
         available = set(supported_archs())
-        skipped = tuple(a for a in todo if a not in available)
+        skipped = tuple(sorted({a for a, _ in todo if a not in available}))
         if skipped:
-            warnings.warn(f"kv-canary: NVRTC {identity} cannot target sm_{skipped}; skipping them "
+            warnings.warn(f"kv-canary: NVRTC {identity} cannot target {', '.join(f'sm_{a}' for a in skipped)}; skipping them "
                           f"(supported: {sorted(available)}). Fix: set KVCANARY_ARCHS to supported "
                           f"archs or upgrade nvidia-cuda-nvrtc.", RuntimeWarning, stacklevel=2)
-        todo = [a for a in todo if a in available]
+        todo = [(a, name) for a, name in todo if a in available]
         if todo:
-            print(compile_notice(todo, cache.directory), file=sys.stderr, flush=True)
-        from .parallel_compile import compile_archs  # only on a cache miss
-        for a, cubin in compile_archs(todo, sources, prelude):
-            cache.put(keys[a], cubin)
-            cubins[a] = cubin
-    compiled = CompiledKernels(cubins=cubins, nvrtc=identity, cache_dir=cache.directory,
-                               hits=cache.hits - hits0, misses=cache.misses - misses0,
+            names = {name for _, name in todo}  # named when not every family compiles (an edit of one .cu)
+            print(compile_notice(sorted({a for a, _ in todo}), cache.directory,
+                                 names if len(names) < len(abi.FAMILIES) else None), file=sys.stderr, flush=True)
+        from .parallel_compile import compile_units  # only on a cache miss
+        programs = {f.name: family_sources(f, sources) for f in families}
+        for a, name, cubin in compile_units(todo, programs, prelude):
+            cache.put(keys[a, name], cubin)
+            cubins[a][name] = cubin
+    ordered = {a: {f.name: c[f.name] for f in families if f.name in c} for a, c in cubins.items() if a not in skipped}
+    compiled = CompiledKernels(cubins=ordered, nvrtc=identity,
+                               cache_dir=cache.directory, hits=cache.hits - hits0, misses=cache.misses - misses0,
                                skipped_archs=skipped, keys=keys)
     if default:
         _LOADED = compiled

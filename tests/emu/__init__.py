@@ -24,7 +24,7 @@ from kvcanary.runtime.nvrtc_build import kernels_dir, read_sources
 HERE = Path(__file__).resolve().parent
 COMPILER = os.environ.get("CXX", "g++")
 FLAGS = ("-std=c++17", "-O1", "-g0", "-fPIC", "-shared", "-w")
-GLOBALS = ("kvc_echo_buffer",)   # __device__ variables the host looks up by name
+GLOBALS = tuple(v for f in abi.FAMILIES for v in f.variables)  # __device__ variables the host looks up
 MAX_BLOCKS = 4                   # grid-stride kernels: any grid is correct; fewer blocks run faster
 
 

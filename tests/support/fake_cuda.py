@@ -4,8 +4,10 @@
 stream and run when the test calls :meth:`FakeDriver.run` or a synchronising call is made. Each
 runs from the params struct bytes copied at launch time, as the driver does: ``kvc_snapshot`` is
 emulated, ``kvc_prepare`` enables an empty plan, verify and write launches only count their run
-(``kernel_run_counter``), so a fake step is clean. Types and enums come from the real
-``cuda.bindings.driver`` (importing it needs no driver). Install with :func:`install`.
+(``kernel_run_counter``), so a fake step is clean. Each ``cuLibraryLoadData`` is a :class:`FakeLibrary`
+of the cubin's real entry points and variables (a kernel asked of another family's library is not
+found, as on a device); ``library_loads`` names the family of each, in load order. Types and enums
+come from the real ``cuda.bindings.driver`` (importing it needs no driver). Install with :func:`install`.
 """
 
 from __future__ import annotations
@@ -17,8 +19,23 @@ from collections import defaultdict
 from cuda.bindings import driver as real
 
 from kvcanary import abi
+from tests.support.cubin import entry_points, variables
 
 OK = real.CUresult.CUDA_SUCCESS
+NOT_FOUND = real.CUresult.CUDA_ERROR_NOT_FOUND
+_SYMBOLS: dict[bytes, tuple[frozenset, frozenset]] = {}  # cubin -> its (entry points, variables), read once
+
+
+class FakeLibrary:
+    """A loaded cubin: the family its entry points belong to, its kernels and variables."""
+
+    def __init__(self, cubin: bytes, device: int = 0):
+        if cubin not in _SYMBOLS:
+            _SYMBOLS[cubin] = frozenset(entry_points(cubin)), frozenset(variables(cubin))
+        self.kernels, self.variables = _SYMBOLS[cubin]
+        families = {abi.family_of(k).name for k in self.kernels}
+        assert len(families) == 1, f"expected the cubin of one kernel family, got kernels of {sorted(families)}"
+        self.family, self.device = families.pop(), device
 
 
 class FakeDriver:
@@ -33,8 +50,10 @@ class FakeDriver:
         self.invalidated: set[int] = set()                   # captures a capture-unsafe call broke
         self.unsafe_calls: list[str] = []                    # those calls, in order
         self.calls: dict[str, int] = defaultdict(int)
+        self.library_loads: list[str] = []                   # the family of each cuLibraryLoadData
         self.immediate = False                               # run each launch when it is made
         self.kernels = None                                  # tests.emu.Kernels: run kernels for real
+        self.globals: dict[str, tuple[int, int]] = {}        # variables (address, size) without the emulator
         self._next_handle = 0x1000
 
     def __getattr__(self, name):  # types, enums and flags of the real module
@@ -98,11 +117,13 @@ class FakeDriver:
     def cuCtxPopCurrent(self):
         return OK, real.CUcontext(0x7000)
 
-    def cuLibraryLoadData(self, *args):
-        return OK, "library"
+    def cuLibraryLoadData(self, cubin, *args):
+        library = FakeLibrary(cubin)
+        self.library_loads.append(library.family)
+        return OK, library
 
     def cuLibraryGetKernel(self, library, name):
-        return OK, name.decode()
+        return (OK, name.decode()) if name.decode() in library.kernels else (NOT_FOUND, None)
 
     def cuKernelGetParamInfo(self, kernel, index):
         if index:
@@ -110,7 +131,9 @@ class FakeDriver:
         return OK, 0, ctypes.sizeof(abi.CTYPES[abi.KERNELS[kernel]])
 
     def cuLibraryGetGlobal(self, library, name):
-        ptr, size = self.kernels.globals[name.decode()]
+        if name.decode() not in library.variables:
+            return NOT_FOUND, 0, 0
+        ptr, size = (self.kernels.globals if self.kernels is not None else self.globals)[name.decode()]
         return OK, ptr, size
 
     def cuKernelGetFunction(self, kernel):
