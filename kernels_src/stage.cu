@@ -1,7 +1,7 @@
 // An engine's step staged into a Batch's persistent buffers, one launch instead of an adapter's
 // framework ops: kvc_stage_vllm (below), kvc_stage_paged and kvc_stage_sglang (at the end).
 //
-// kvc_stage_vllm: one step of vLLM attention metadata (kvcanary.adapters.stage.VllmBatchStager; the
+// kvc_stage_vllm: one step of vLLM attention metadata (kvcanary.adapters.vllm_stager.VllmBatchStager; the
 // values of kvcanary.adapters.vllm.vllm_batch): request-pool rows r + 1, extend =
 // query_start_loc[r + 1] - query_start_loc[r], prefix = seq_lens[r] - extend, req_to_token row r + 1 = block_table[r][p / block_size] * block_size + p % block_size for
 // p < seq_lens[r] and 0 past it (row 0 all 0; the slot truncated to int32 as the adapter's cast

@@ -388,7 +388,7 @@ SNAPSHOT_PARAMS = StructDecl("KvcSnapshotParams", (
 ))
 
 # One step of vLLM attention metadata staged into a Batch's persistent buffers (kernels_src/stage.cu,
-# kvcanary.adapters.stage): one launch instead of the adapter's torch ops. Each input is int32
+# kvcanary.adapters.vllm_stager): one launch instead of the adapter's torch ops. Each input is int32
 # or int64: bit i of `wide` is set when input i of STAGE_VLLM_INPUTS is int64 (KVC_STAGE_VLLM_<NAME>
 # in the kernel); the 1-D inputs are contiguous, the block table's rows too.
 STAGE_VLLM_INPUTS = ("block_table", "seq_lens", "query_start_loc", "slot_mapping", "input_ids", "positions")

@@ -27,14 +27,7 @@ from ..interop.arrays import as_view
 from ..manager.canary import KvCanary, PoolGroup
 from ..ops.sources import source_from_slots
 from ..validate import boolean, fail, integer, optional_integer
-from .common import (
-    astype,
-    canary_kwargs,
-    check_sizes,
-    device_ordinal,
-    layer_list,
-    select_layers,
-)
+from .common import (astype, canary_kwargs, check_sizes, device_ordinal, layer_list, select_layers)
 from .sglang_batch import sglang_batch  # noqa: F401  (re-exported)
 
 _SCALE_NAMES = {"K": ("k_scale_buffer", "kv_scale_buffer"), "V": ("v_scale_buffer",)}

@@ -23,16 +23,7 @@ from __future__ import annotations
 from ..errors import ValidationError
 from ..ops.batch import Batch
 from ..validate import integer
-from .common import (
-    arange,
-    astype,
-    framework,
-    full_like,
-    kept_tensors,
-    require_attr,
-    where,
-    zeros,
-)
+from .common import (arange, astype, framework, full_like, kept_tensors, require_attr, where, zeros)
 
 _FIX = "pass the ForwardBatch the model runner forwards (SGLang's forward_batch_info.ForwardBatch)"
 _EXTEND_MODES = ("EXTEND", "MIXED", "SPLIT_PREFILL")

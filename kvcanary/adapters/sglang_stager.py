@@ -20,12 +20,12 @@ from ..ops.packing import layout_key
 from ..validate import integer
 from .common import require_attr
 from .sglang_batch import _FIX, length_rule, req_to_token_source
-from .stage import _Stager
+from .stager import Stager
 
 _ARRAYS = ("req_pool_indices", "seq_lens", "input_ids", "positions", "out_cache_loc")
 
 
-class SglangBatchStager(_Stager):
+class SglangBatchStager(Stager):
     """Persistent device buffers of the Batch of one SGLang model runner, filled by one launch per
     step from its ``ForwardBatch``. ``req_to_token``: the ModelRunner (preferred), its
     ``ReqToTokenPool`` or the int32 ``[rows, max_context_len]`` array: the Batch reads it in place.

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from .. import abi
 from ..interop.arrays import ArrayView
 from ..ops.batch import Batch
-from .stage import PagedBatchStager
+from .paged_stager import PagedBatchStager
 
 
 @dataclass
@@ -60,7 +60,7 @@ def tokens(state, start: int, count: int) -> list[int]:
 class StepBatches:
     """The Batch of each step over one cache :class:`~.transformers_layout.PagedLayout`; the
     ``req_to_token`` map (``rows`` rows: the canary's max_batch + 1) is kept across steps. On a
-    CUDA ``device`` the step is staged in one launch (:class:`~.stage.PagedBatchStager`: the same
+    CUDA ``device`` the step is staged in one launch (:class:`~.paged_stager.PagedBatchStager`: the same
     values as the torch ops below, which a host canary uses)."""
 
     def __init__(self, layout, rows: int, device: int | None = None, tokens: int = 256):

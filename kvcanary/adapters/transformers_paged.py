@@ -28,8 +28,7 @@ from time import perf_counter
 from ..errors import ValidationError, ValidationTypeError
 from ..manager.canary import KvCanary, PoolGroup
 from ..reporting.outputs import MODES
-from ..validate import boolean, callable_or_none, choice, fail
-from ..validate import hash_mode as parse_hash_mode
+from ..validate import boolean, callable_or_none, choice, fail, hash_mode as parse_hash_mode
 from .common import canary_kwargs, check_layers
 from .transformers_batch import Scheduled, StepBatches, StepInfo, tokens
 from .transformers_fail import RequestFailer, check_engine
@@ -54,7 +53,7 @@ class TransformersCanary:
     reuse (:attr:`failed_requests`; README, "What happens on a detection"). ``check_inputs``:
     compare the input tokens and positions with the request state (WRITE_TOKEN rows).
     ``before_step(info)`` / ``after_step(info)``: callbacks around each forward. ``stage_on_device``
-    (default True): stage a CUDA cache's step in one launch (:class:`~.stage.PagedBatchStager`)
+    (default True): stage a CUDA cache's step in one launch (:class:`~.paged_stager.PagedBatchStager`)
     instead of about 30 torch ops. Other keyword arguments go to :class:`KvCanary`. Counters:
     :attr:`steps`, :attr:`requests`, :attr:`detections` (violation records with their step),
     :attr:`host_seconds` (host time by part), :meth:`summary`.

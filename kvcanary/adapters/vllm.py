@@ -31,20 +31,8 @@ from ..manager.canary import KvCanary, PoolGroup
 from ..ops.batch import Batch
 from ..ops.sources import resolved
 from ..validate import boolean, fail, integer, is_int, optional_integer
-from .common import (
-    arange,
-    astype,
-    canary_kwargs,
-    check_sizes,
-    device_ordinal,
-    framework,
-    is_plain_int_tensor,
-    kept_tensors,
-    require_attr,
-    select_layers,
-    where,
-    zeros,
-)
+from .common import (arange, astype, canary_kwargs, check_sizes, device_ordinal, framework, is_plain_int_tensor,
+                     kept_tensors, require_attr, select_layers, where, zeros)
 from .vllm_layout import detect
 
 

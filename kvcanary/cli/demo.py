@@ -16,12 +16,7 @@ import argparse
 import os
 import sys
 
-from ..errors import (
-    KvCanaryError,
-    NoCudaDriverError,
-    ValidationError,
-    ValidationTypeError,
-)
+from ..errors import (KvCanaryError, NoCudaDriverError, ValidationError, ValidationTypeError)
 from ..runtime import driver
 from ..sim import campaign, output, workers
 from ..sim.clean import clean_run

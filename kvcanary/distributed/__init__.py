@@ -29,25 +29,9 @@ from collections import deque
 
 import numpy as np
 
-from ..errors import (
-    CanaryViolationError,
-    KvCanaryError,
-    ValidationError,
-    ValidationTypeError,
-)
+from ..errors import (CanaryViolationError, KvCanaryError, ValidationError, ValidationTypeError)
 from ..validate import callable_or_none, choice, integer, is_int, optional_integer
-from .wire import (
-    COL,
-    HEADER,
-    HEALTH_FAILED,
-    LOST,
-    ROW,
-    STATS,
-    VIOLATED,
-    Gather,
-    RankViolation,
-    pack_row,
-)
+from .wire import (COL, HEADER, HEALTH_FAILED, LOST, ROW, STATS, VIOLATED, Gather, RankViolation, pack_row)
 
 log = logging.getLogger("kvcanary.distributed")
 

@@ -19,12 +19,7 @@ from ..runtime import memory
 from ..validate import INT32_MAX, boolean, instance, integer, launch_tag
 from ..validate import hash_mode as parse_hash_mode
 from .checks import alloc_zeros, checked, same_device
-from .sources import (
-    MarshalledSource,
-    RealKvSource,
-    marshal_sources,
-    source_list,
-)
+from .sources import (MarshalledSource, RealKvSource, marshal_sources, source_list)
 
 RING_CAPACITY_LIMIT = 1 << 24  # rows (1 GiB of ring): more would only hide a reporting backlog
 SLOTS_LIMIT = 1 << 40          # canary slots (32 TiB of records)

@@ -17,32 +17,11 @@ from typing import Sequence
 
 import numpy as np
 
-from kvcanary.abi import (
-    CHAIN_HEAD,
-    FIELD_POSITION,
-    FIELD_PREV_HASH,
-    FIELD_REAL_KV_HASH,
-    FIELD_TOKEN,
-    FIELDS_PER_SLOT,
-    NO_EXPECTED_TOKEN,
-    PREV_ON_PADDING,
-    RING_COLS,
-    SEED_INVALID,
-    SELF_TEST_POSITION,
-    SELF_TEST_TOKEN,
-    BatchField,
-    FailReason,
-)
-from kvcanary.reference.hashing import (
-    ANCHOR_HASH,
-    RefSource,
-    canary_words,
-    fingerprint,
-    mix3,
-    mix3_np,
-    slot_hash_words,
-    to_i64,
-)
+from kvcanary.abi import (CHAIN_HEAD, FIELD_POSITION, FIELD_PREV_HASH, FIELD_REAL_KV_HASH, FIELD_TOKEN,
+                          FIELDS_PER_SLOT, NO_EXPECTED_TOKEN, PREV_ON_PADDING, RING_COLS, SEED_INVALID,
+                          SELF_TEST_POSITION, SELF_TEST_TOKEN, BatchField, FailReason)
+from kvcanary.reference.hashing import (ANCHOR_HASH, RefSource, canary_words, fingerprint, mix3, mix3_np,
+                                        slot_hash_words, to_i64)
 from kvcanary.reference.ring import Verdicts, owners, ring_append
 
 __all__ = ["RefSource", "Verdicts", "check_entries", "owners", "ring_append", "self_test_rows", "verify", "write"]

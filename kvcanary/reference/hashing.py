@@ -13,17 +13,8 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from kvcanary.abi import (
-    ANCHOR,
-    FIELD_POSITION,
-    FIELD_PREV_HASH,
-    FIELD_TOKEN,
-    SM_MUL1,
-    SM_MUL2,
-    SM_SHIFT1,
-    SM_SHIFT2,
-    SM_SHIFT3,
-)
+from kvcanary.abi import (ANCHOR, FIELD_POSITION, FIELD_PREV_HASH, FIELD_TOKEN, SM_MUL1, SM_MUL2, SM_SHIFT1,
+                          SM_SHIFT2, SM_SHIFT3)
 
 MASK64 = (1 << 64) - 1
 _GATHER_BYTES = 1 << 24  # bound on the temporary byte matrix of one fingerprint chunk

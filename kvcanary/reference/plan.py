@@ -15,20 +15,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from kvcanary.abi import (
-    CHAIN_HEAD,
-    MAX_REQUEST_TOKENS,
-    NO_EXPECTED_TOKEN,
-    NO_REQUEST,
-    NO_SLOT,
-    PADDING_SLOT,
-    PREV_ON_PADDING,
-    RING_COLS,
-    SEED_INVALID,
-    SWA_UNMAPPED,
-    BatchField,
-    FailReason,
-)
+from kvcanary.abi import (CHAIN_HEAD, MAX_REQUEST_TOKENS, NO_EXPECTED_TOKEN, NO_REQUEST, NO_SLOT, PADDING_SLOT,
+                          PREV_ON_PADDING, RING_COLS, SEED_INVALID, SWA_UNMAPPED, BatchField, FailReason)
 from kvcanary.reference.canary import RefSource, _rows, check_entries, owners
 
 _BATCH = int(FailReason.BATCH_INDEX_OUT_OF_RANGE)

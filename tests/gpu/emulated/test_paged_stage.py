@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import kvcanary as kc
-from kvcanary.adapters.stage import PagedBatchStager
+from kvcanary.adapters.paged_stager import PagedBatchStager
 from kvcanary.adapters.transformers_batch import Scheduled, StepBatches
 from kvcanary.adapters.transformers_layout import PagedLayout
 from kvcanary.runtime import memory

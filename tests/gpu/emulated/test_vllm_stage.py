@@ -13,7 +13,7 @@ import pytest
 
 import kvcanary as kc
 from kvcanary.adapters import vllm_batch
-from kvcanary.adapters.stage import VllmBatchStager
+from kvcanary.adapters.vllm_stager import VllmBatchStager
 from kvcanary.interop import arrays
 from kvcanary.runtime import memory
 
