@@ -6,9 +6,11 @@ adapters' torch ops (CPU torch here: cheaper than CUDA torch ops, whose host cos
 CPU torch tensors stand in for CUDA ones: their views say device 0 (``--emulate`` instead runs
 the emulated kernels, to check that the patched launches still read the right arrays).
 
-    python -m perf.host_profile [--steps N] [--profile PATH] [--only SUBSTRING]
+    python -m perf.host_profile [--steps N] [--profile PATH] [--only SUBSTRING] [--device]
 
 Prints µs per step for each path; ``--profile`` runs cProfile over the timed steps of one row.
+``--device`` runs the same rows on CUDA tensors and the real driver (a GPU machine): the launches
+are real, so the profile shows what a step's host time is made of there.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 SHAPES = {"decode-bs1": (1, 1024, 1), "decode-bs64": (64, 1024, 1), "decode-bs256": (256, 1024, 1),
           "extend-4x512": (4, 1024, 512)}
 PREBUILT = 32
+DEV = ["cpu"]  # where the workloads' torch tensors live ("cuda" with --device)
 
 
 def install():
@@ -59,7 +62,7 @@ class Work:
         rtt = np.zeros((bs + 1, length), np.int32)
         rtt[1:] = slots
         tokens = rng.integers(0, 1 << 17, (bs, length)).astype(np.int64)
-        T = torch.from_numpy
+        T = lambda a: torch.from_numpy(a).to(DEV[0])  # noqa: E731
         self.rtt = T(rtt)
         lo, hi = np.full(bs, prefix), np.full(bs, prefix + extend)
         self.fields = dict(req_pool_indices=T(np.arange(1, bs + 1, dtype=np.int64)), prefix_lens=T(lo.astype(np.int64)),
@@ -68,13 +71,22 @@ class Work:
                            positions=T(np.tile(np.arange(prefix, prefix + extend), bs).astype(np.int64)),
                            out_cache_loc=T(self.slots[:, prefix:].reshape(-1).copy()))
         self.batch = kc.Batch(**self.fields)
-        self.pool = torch.zeros((self.num_slots, 1024), dtype=torch.uint8)
+        self.setup = kc.Batch(self.fields["req_pool_indices"], T(np.zeros(bs, np.int64)), T(lo.astype(np.int64)),
+                              self.rtt, input_ids=T(tokens[:, :prefix].reshape(-1).copy()),
+                              positions=T(np.tile(np.arange(prefix), bs).astype(np.int64)),
+                              out_cache_loc=T(self.slots[:, :prefix].reshape(-1).copy()))
+        self.pool = torch.zeros((self.num_slots, 1024), dtype=torch.uint8, device=DEV[0])
 
     def canary(self):
+        """The workload's canary; on a device, the cached prefix stamped first (the timed steps run clean)."""
         import kvcanary as kc
         src = kc.source_from_slots(self.pool)
-        return kc.KvCanary(kc.PoolGroup(self.num_slots, k_sources=[src], v_sources=[src]), device=0,
-                           hash_mode="partial", mode="log", max_batch=self.bs, verify_capacity=self.bs * self.prefix)
+        canary = kc.KvCanary(kc.PoolGroup(self.num_slots, k_sources=[src], v_sources=[src]), device=0,
+                             hash_mode="partial", mode="log", max_batch=self.bs, verify_capacity=self.bs * self.prefix)
+        if DEV[0] == "cuda":
+            canary.before_forward(self.setup)
+            canary.after_forward(self.setup)
+        return canary
 
     def fresh(self):
         import kvcanary as kc
@@ -89,7 +101,7 @@ def rows(torch, only):
     """(name, step function) of every timed path."""
     import kvcanary as kc
     from kvcanary.adapters import VllmBatchStager, sglang_batch, vllm_batch
-    s = 0x5000
+    s = torch.cuda.current_stream().cuda_stream if DEV[0] == "cuda" else 0x5000
     for shape, (bs, prefix, extend) in SHAPES.items():
         for how in ("fresh Batch", "reused Batch", "sglang_batch", "SglangBatchStager"):
             name = f"manager, {how}, {shape}"
@@ -99,7 +111,7 @@ def rows(torch, only):
             canary = w.canary()
             if how == "reused Batch":  # kvcanary DeviceArrays, as perf/workloads.py's batches
                 from kvcanary.runtime import memory
-                reused = kc.Batch(**{k: memory.to_device(t.numpy()) for k, t in w.fields.items()})
+                reused = kc.Batch(**{k: memory.to_device(t.cpu().numpy()) for k, t in w.fields.items()})
                 make = lambda b=reused: b  # noqa: E731
             elif how == "fresh Batch":
                 make = itertools.cycle(w.fresh()).__next__
@@ -123,22 +135,22 @@ def rows(torch, only):
             w = Work(torch, bs, prefix, extend, layout="paged")
             canary = w.canary()
             block = 16
-            blocks = torch.from_numpy(np.ascontiguousarray(w.slots[:, ::block] // block).astype(np.int32))
+            blocks = torch.from_numpy(np.ascontiguousarray(w.slots[:, ::block] // block).astype(np.int32)).to(DEV[0])
             max_reqs = 2 * bs
-            table = torch.zeros((max_reqs, blocks.shape[1]), dtype=torch.int32)
+            table = torch.zeros((max_reqs, blocks.shape[1]), dtype=torch.int32, device=DEV[0])
             table[:bs] = blocks
-            seq = torch.zeros(max_reqs, dtype=torch.int32)
+            seq = torch.zeros(max_reqs, dtype=torch.int32, device=DEV[0])
             seq[:bs] = prefix + extend
-            qsl = torch.arange(max_reqs + 1, dtype=torch.int32) * extend
+            qsl = torch.arange(max_reqs + 1, dtype=torch.int32, device=DEV[0]) * extend
             b = w.fields
             t = bs * extend
             slot_mapping = torch.full((2 * t,), -1, dtype=torch.int64)
             slot_mapping[:t] = b["out_cache_loc"]
-            ids = torch.zeros(2 * t, dtype=torch.int32)
+            ids = torch.zeros(2 * t, dtype=torch.int32, device=DEV[0])
             ids[:t] = b["input_ids"]
-            pos = torch.zeros(2 * t, dtype=torch.int64)
+            pos = torch.zeros(2 * t, dtype=torch.int64, device=DEV[0])
             pos[:t] = b["positions"]
-            rtt_out = torch.zeros((max_reqs + 1, blocks.shape[1] * block), dtype=torch.int32)
+            rtt_out = torch.zeros((max_reqs + 1, blocks.shape[1] * block), dtype=torch.int32, device=DEV[0])
 
             def make(table=table, seq=seq, qsl=qsl, slot_mapping=slot_mapping, ids=ids, pos=pos, rtt_out=rtt_out,
                      bs=bs, t=t):
@@ -210,10 +222,15 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--profile", default=None, help="cProfile output of the timed steps of --only's first row")
     ap.add_argument("--only", default="")
+    ap.add_argument("--device", action="store_true", help="CUDA tensors and the real driver")
     args = ap.parse_args(argv)
     import torch
     torch.set_num_threads(1)
-    fake, mp = install()
+    fake = mp = None
+    if args.device:
+        DEV[0] = "cuda"
+    else:
+        fake, mp = install()
     try:
         for name, step, canary in rows(torch, args.only):
             if args.profile:
@@ -225,17 +242,19 @@ def main(argv=None) -> None:
                     step()
                 prof.disable()
                 prof.dump_stats(args.profile)
-                pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
+                pstats.Stats(prof).sort_stats("tottime").print_stats(18)
                 return
             us = time_row(step, args.steps)
             n0 = canary.launch_count if canary is not None else 0
             step()
             n = canary.launch_count - n0 if canary is not None else 3
-            print(f"{name:70s} {us:8.1f} us/step  ({n} launches, {torch_ops(step)} torch ops)", flush=True)
+            clean = "" if canary is None or not args.device else f", {canary.stats()['violations']} violations"
+            print(f"{name:70s} {us:8.1f} us/step  ({n} launches, {torch_ops(step)} torch ops{clean})", flush=True)
     finally:
-        from tests.support import fake_cuda
-        fake_cuda.release(fake)
-        mp.undo()
+        if fake is not None:
+            from tests.support import fake_cuda
+            fake_cuda.release(fake)
+            mp.undo()
 
 
 if __name__ == "__main__":
