@@ -207,21 +207,20 @@ __device__ __forceinline__ long long kvc_expected_token(const B& b, long long r,
   return (at >= 0 && at < valid) ? b.expected_pool[row * b.expected_row_stride + at] : KVC_NO_EXPECTED_TOKEN;
 }
 
-// Request owning flat entry e among requests [lo, hi): the last r with entry_offsets[r] <= e, for
-// non-decreasing offsets. Offsets are device data: whatever they hold, the answer is in [lo, hi),
-// and the caller checks that e really lies in that request's range.
-template <class B>
-__device__ __forceinline__ long long kvc_owner_in(const B& b, long long e, long long lo, long long hi) {
+// Request owning flat entry e among requests [lo, hi): the last r with offsets[r] <= e, for
+// non-decreasing entry offsets. Offsets are device data: whatever they hold, the answer is in
+// [lo, hi), and the caller checks that e really lies in that request's range.
+__device__ __forceinline__ long long kvc_owner_in(const long long* offsets, long long e, long long lo, long long hi) {
   while (hi - lo > 1) {
     const long long mid = (lo + hi) >> 1;
-    if (b.entry_offsets[mid] <= e) lo = mid; else hi = mid;
+    if (offsets[mid] <= e) lo = mid; else hi = mid;
   }
   return lo;
 }
 
 template <class B>
 __device__ __forceinline__ long long kvc_owner(const B& b, long long e) {
-  return kvc_owner_in(b, e, 0, b.batch_size);
+  return kvc_owner_in(b.entry_offsets, e, 0, b.batch_size);
 }
 
 // One verify entry as a materialised plan stores it (§8) and the checks of §6 read it: `live` is

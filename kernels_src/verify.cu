@@ -120,13 +120,7 @@ __device__ __forceinline__ bool kvc_tile_owns(const P& p, bool held, long long s
 // request that owns e). Looked up only for an entry that gives a row, so the clean path holds no
 // request per entry. KVC_NO_REQUEST without offsets (a sweep's plan).
 __device__ __forceinline__ long long kvc_owner_of(const long long* offsets, long long n, long long e) {
-  if (offsets == 0 || n <= 0) return KVC_NO_REQUEST;
-  long long lo = 0, hi = n;  // the answer is in [0, n) whatever the offsets hold
-  while (hi - lo > 1) {
-    const long long mid = (lo + hi) >> 1;
-    if (offsets[mid] <= e) lo = mid; else hi = mid;
-  }
-  return lo;
+  return (offsets == 0 || n <= 0) ? KVC_NO_REQUEST : kvc_owner_in(offsets, e, 0, n);
 }
 
 __device__ __forceinline__ long long kvc_row_request(const KvcFusedVerifyParams& p, long long e) {
@@ -335,7 +329,7 @@ __device__ __forceinline__ void kvc_fused_tile(const KvcFusedVerifyParams& p, lo
     int r = r_first;
     KvcFusedReq q = q_first;
     if (r_first != r_last) {
-      r = (int)kvc_owner_in(p, at, r_first, r_last + 1);
+      r = (int)kvc_owner_in(p.entry_offsets, at, r_first, r_last + 1);
       if (r != r_first) q = kvc_fused_req(p, r);
     }
     const long long k = at - q.off;

@@ -260,3 +260,25 @@ def test_a_scalar_field_keys_on_its_type_and_value(fake):
     step(canary, batch, s)
     step(canary, batch, s)
     assert len(canary.stages.packed["HEAD"]) == 2
+
+
+def test_a_replay_writes_only_the_addresses_of_the_arguments_that_moved(fake):
+    """Issue 30: a step patches only the pointers that changed. The packed params' field of an
+    argument whose address stayed is not written again (a value planted in it survives the replay);
+    every field of an argument that moved gets its new address."""
+    canary, s = make_canary(), fake.cuStreamCreate(0)[1]
+    first = manager_batch()
+    step(canary, first, s)
+    entry = next(iter(canary.stages.packed["HEAD"].values()))
+    moved = kc.Batch(**{**first.__dict__, "input_ids": D(np.array([8], np.int64))})  # one argument moves
+    fields = dict(entry.patches)
+    names = list(first.__dict__)
+    planted = 0x1234_5670
+    stayed = fields[names.index("req_to_token")]
+    for f in stayed:
+        f.value = planted
+    launched(fake, "kvc_write")
+    step(canary, moved, s)
+    assert all(f.value == planted for f in stayed)  # not rewritten: its address did not change
+    assert all(f.value == moved.input_ids.ptr for f in fields[names.index("input_ids")])
+    assert [p.input_ids for p in launched(fake, "kvc_write")] == [moved.input_ids.ptr] * 2

@@ -149,18 +149,18 @@ def _pointer_fields(params):
                 yield from _pointer_fields(item)
 
 
-def patch_map(launches, ptrs) -> list:
-    """(the uint64 params field, argument index) of every pointer field of the launches' params
-    that holds an argument's address; the field is a ctypes view of the params' memory, so
-    setting its ``value`` patches the struct (twice as fast as ``setattr`` by name)."""
+def patch_map(launches, ptrs) -> tuple:
+    """(argument index, its uint64 params fields) of every argument whose address a pointer field
+    of the launches' params holds; a field is a ctypes view of the params' memory, so setting its
+    ``value`` patches the struct (twice as fast as ``setattr`` by name)."""
     where = {p: i for i, p in enumerate(ptrs) if p}
-    out = []
+    fields: dict[int, list] = {}
     for launch in launches:
         for params, name in _pointer_fields(launch.params):
             i = where.get(getattr(params, name))
             if i is not None:
-                out.append((ctypes.c_uint64.from_buffer(params, getattr(type(params), name).offset), i))
-    return out
+                fields.setdefault(i, []).append(ctypes.c_uint64.from_buffer(params, getattr(type(params), name).offset))
+    return tuple((i, tuple(f)) for i, f in sorted(fields.items()))
 
 
 class Packed:
@@ -176,14 +176,17 @@ class Packed:
 
     def retarget(self, ptrs) -> None:
         """Point the launches at the arguments' new addresses (each checked first: a refused one
-        leaves the launches as they were)."""
+        leaves the launches as they were); only the fields of arguments that moved are written."""
         old = self.ptrs
         for i, low, high in self.checks:
             p = ptrs[i]
             if p != old[i] and (p <= 0 or p + low < 0 or p + high > _ADDRESS_END):  # as check_address tests it
                 check_address(self.names[i], p, (low, high))
-        for field, i in self.patches:
-            field.value = ptrs[i]
+        for i, fields in self.patches:
+            p = ptrs[i]
+            if p != old[i]:
+                for field in fields:
+                    field.value = p
         self.ptrs = ptrs
 
 
