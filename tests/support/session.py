@@ -9,7 +9,9 @@ from __future__ import annotations
 import numpy as np
 
 import kvcanary as kc
+from kvcanary import abi
 from kvcanary.manager.canary import KvCanary, PoolGroup
+from kvcanary.reference import plan as reference_plan
 
 N, ROWS, MAXLEN, BYTES = 512, 8, 64, 64
 
@@ -151,3 +153,16 @@ SCRIPT = [
     [(2, [216]), (3, [305]), (1, [403])],
     [(2, [217]), (3, [306]), (1, [404])],
 ]
+
+
+def host_plan(batch, kw, cap, max_batch=80):
+    """The reference plan builder run directly on the batch (no host validation: the batch holds
+    values the device must handle), with the rows it reports."""
+    plan, rows = kc.StepPlan.allocate(max_batch, cap), []
+    reference_plan.fill_plan(
+        verify=reference_plan.VerifyPlanArrays(plan.slot, plan.expected_token, plan.expected_position,
+                                               plan.prev_slot, plan.num_valid, plan.enable),
+        write=reference_plan.WritePlanArrays(plan.offsets, plan.seed, plan.num_valid_reqs),
+        entry_offsets=plan.entry_offsets, report=rows.append, tag=int(abi.LaunchTag.HEAD_K_FULL),
+        **batch, **kw)
+    return plan, sorted(map(tuple, np.concatenate(rows).tolist()))

@@ -20,6 +20,7 @@ from kvcanary.reference import canary as reference
 from kvcanary.reference import plan as reference_plan
 from kvcanary.reference.canary import RefSource
 from kvcanary.runtime import memory
+from tests.support.session import host_plan
 
 pytestmark = [pytest.mark.gpu, pytest.mark.emulated]  # no GPU: kernels run in tests/emu
 
@@ -86,15 +87,10 @@ def sink_effects(sink):
 
 
 def ref_plan(b, kw, cap, max_batch):
-    plan, rows = kc.StepPlan.allocate(max_batch, cap), []
-    reference_plan.fill_plan(
-        verify=reference_plan.VerifyPlanArrays(plan.slot, plan.expected_token, plan.expected_position,
-                                               plan.prev_slot, plan.num_valid, plan.enable),
-        write=reference_plan.WritePlanArrays(plan.offsets, plan.seed, plan.num_valid_reqs),
-        entry_offsets=plan.entry_offsets, report=rows.append, tag=int(abi.LaunchTag.HEAD_K_FULL),
-        out_cache_loc=b["out_cache_loc"] if "swa_map" not in kw else None,
-        **{k: v for k, v in b.items() if k not in ("input_ids", "positions", "out_cache_loc")}, **kw)
-    return plan, sorted(map(tuple, np.concatenate(rows).tolist()))
+    """The reference plan of host batch ``b`` (the SWA group writes no out_cache_loc)."""
+    arrays = {k: v for k, v in b.items() if k not in ("input_ids", "positions", "out_cache_loc")}
+    return host_plan({**arrays, "out_cache_loc": b["out_cache_loc"] if "swa_map" not in kw else None}, kw, cap,
+                     max_batch)
 
 
 def dev_batch(b):

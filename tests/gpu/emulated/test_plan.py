@@ -10,6 +10,7 @@ from kvcanary import abi
 from kvcanary.reference import plan as reference_plan
 from kvcanary.reference.canary import RefSource
 from kvcanary.runtime import memory
+from tests.support.session import host_plan
 
 pytestmark = [pytest.mark.gpu, pytest.mark.emulated]  # no GPU: kernels run in tests/emu
 
@@ -37,19 +38,6 @@ def random_batch(seed, *, bs=64, rows=100, max_len=512, num_slots=30000, swa=Fal
 
 def on(dev, batch):
     return kc.Batch(**{k: (memory.to_device(v) if isinstance(v, np.ndarray) and dev else v) for k, v in batch.items()})
-
-
-def host_plan(batch, kw, cap, max_batch=80):
-    """The reference plan builder run directly on the batch (no host validation: the batch holds
-    values the device must handle), with the rows it reports."""
-    plan, rows = kc.StepPlan.allocate(max_batch, cap), []
-    reference_plan.fill_plan(
-        verify=reference_plan.VerifyPlanArrays(plan.slot, plan.expected_token, plan.expected_position,
-                                               plan.prev_slot, plan.num_valid, plan.enable),
-        write=reference_plan.WritePlanArrays(plan.offsets, plan.seed, plan.num_valid_reqs),
-        entry_offsets=plan.entry_offsets, report=rows.append, tag=int(abi.LaunchTag.HEAD_K_FULL),
-        **batch, **kw)
-    return plan, sorted(map(tuple, np.concatenate(rows).tolist()))
 
 
 def sink_rows(sink) -> list[tuple]:

@@ -13,9 +13,9 @@ import pytest
 import kvcanary as kc
 from kvcanary import abi
 from kvcanary.runtime import memory
-from tests.gpu.emulated.test_plan import host_plan, on, random_batch, stamped_engine
+from tests.gpu.emulated.test_plan import on, random_batch, stamped_engine
 from tests.support import workloads
-from tests.support.session import Session
+from tests.support.session import Session, host_plan
 from tests.test_verdicts import _flip_b_cached_kv, _flip_shared_kv, failed_by_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.emulated]  # no GPU: kernels run in tests/emu
