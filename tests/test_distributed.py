@@ -161,15 +161,21 @@ def ranks(tmp_path_factory):
     procs = [ctx.Process(target=_worker, args=(r, WORLD, str(tmp / "rendezvous"), str(tmp / f"rank{r}.json")))
              for r in range(WORLD)]
     [p.start() for p in procs]
-    deadline = time.monotonic() + TIMEOUT_S
+    return collect(procs, tmp, TIMEOUT_S)
+
+
+def collect(procs, tmp, timeout_s: float) -> list[dict]:
+    """Each rank's results (rank{r}.json in ``tmp``) once every process ended cleanly within
+    ``timeout_s`` (a hung rank is killed and fails the run)."""
+    deadline = time.monotonic() + timeout_s
     for p in procs:
         p.join(max(1.0, deadline - time.monotonic()))
     hung = [p for p in procs if p.is_alive()]
     for p in hung:
         p.kill()
-    assert not hung, f"{len(hung)} rank(s) still running after {TIMEOUT_S} s"
-    assert [p.exitcode for p in procs] == [0] * WORLD
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert not hung, f"{len(hung)} rank(s) still running after {timeout_s} s"
+    assert [p.exitcode for p in procs] == [0] * len(procs)
+    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(len(procs))]
 
 
 def strip(records):

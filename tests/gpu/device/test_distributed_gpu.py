@@ -21,7 +21,7 @@ from datetime import timedelta
 import numpy as np
 import pytest
 
-from tests.test_distributed import _flip_kv, _session_run, _stopped_run, strip
+from tests.test_distributed import _flip_kv, _session_run, _stopped_run, collect, scenario, strip
 
 pytestmark = pytest.mark.gpu
 
@@ -123,22 +123,7 @@ def ranks(tmp_path_factory):
     finally:
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    deadline = time.monotonic() + TIMEOUT_S
-    for p in procs:
-        p.join(max(1.0, deadline - time.monotonic()))
-    hung = [p for p in procs if p.is_alive()]
-    for p in hung:
-        p.kill()
-    assert not hung, f"{len(hung)} rank(s) still running after {TIMEOUT_S} s"
-    assert [p.exitcode for p in procs] == [0] * WORLD
-    return [json.loads((tmp / f"rank{r}.json").read_text()) for r in range(WORLD)]
-
-
-def scenario(ranks, name):
-    out = [r[name] for r in ranks]
-    for rank, o in enumerate(out):
-        assert "error" not in o, f"rank {rank}:\n{o['error']}"
-    return out
+    return collect(procs, tmp, TIMEOUT_S)
 
 
 def test_clean_nccl_run_reports_nothing_and_every_rank_sees_every_ranks_counters(ranks):
