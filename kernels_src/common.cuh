@@ -129,6 +129,15 @@ __device__ __noinline__ void kvc_record(const P& p, long long request, long long
   __threadfence_system();
 }
 
+// Request r's verdict word cleared for a new step (§5.7) with one atomic, keeping failed_requests
+// the count of nonzero words: a word cleared from nonzero takes one off, as kvc_record adds one for
+// a word it makes nonzero. So a launch may clear a word while other blocks record other requests.
+template <class P>
+__device__ __forceinline__ void kvc_verdict_clear(const P& p, long long r) {
+  if (p.verdicts == 0 || r < 0 || r >= p.verdict_len) return;
+  if (atomicExch(p.verdicts + r, 0ULL) != 0ULL && p.failed_requests != 0) atomicAdd(p.failed_requests, ~0ULL);
+}
+
 // A BATCH_INDEX_OUT_OF_RANGE row (abi.BatchField names the columns): slot KVC_NO_SLOT unless the
 // value names one, the request's index in the batch (KVC_NO_REQUEST for the flat token arrays; the
 // row is attributed to it), the value read, the field, the bound it broke.
@@ -251,4 +260,44 @@ __device__ __forceinline__ KvcEntry kvc_fused_entry(const B& b, long long e, lon
   }
   x.expected_token = x.live ? kvc_expected_token(b, r, q.row, x.position) : KVC_NO_EXPECTED_TOKEN;
   return x;
+}
+
+// ---- the pump's snapshot (docs/format.md §10) ----------------------------------------------------
+// The status block into the snapshot's FIFO slot of mapped pinned memory, then the slot's ticket
+// into its completion word (every thread of one block). Every thread stores its part of the payload
+// and fences at system scope; after the barrier thread 0 fences again and only then stores the
+// ticket, so a host that reads *done == ticket reads the complete payload. The verdict cells past
+// `head` are copied only when the step failed a request (cell head != 0, §5.7).
+__device__ __forceinline__ void kvc_snapshot_copy(const KvcSnapshotParams& p) {
+  const volatile long long* src = p.status;  // written by this stream's earlier launches
+  volatile long long* dst = p.payload;
+  const long long n = (p.head >= 0 && p.head < p.n && src[p.head] == 0) ? p.head + 1 : p.n;
+  for (long long i = threadIdx.x; i < n; i += blockDim.x) dst[i] = src[i];
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    *reinterpret_cast<volatile long long*>(p.done) = p.ticket;
+  }
+}
+
+// The snapshot folded into a step's last launch (p.done == 0: none this launch, e.g. one captured
+// into a graph). Each block arrives on p.arrive once its work is done, its stores and atomics fenced
+// first; the last block to arrive fences again, clears the counter for the next launch of this
+// FIFO slot and takes the snapshot, which so covers every block of this launch and every launch
+// before it in the stream. No block waits for another. Every thread of every block must call it.
+__device__ __forceinline__ void kvc_step_end(const KvcSnapshotParams& p) {
+  if (p.done == 0 || p.arrive == 0) return;
+  __shared__ int kvc_last_block;
+  __syncthreads();  // this block's work is done
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const unsigned long long blocks = (unsigned long long)gridDim.x * gridDim.y * gridDim.z;
+    kvc_last_block = atomicAdd(p.arrive, 1ULL) + 1ULL == blocks;
+  }
+  __syncthreads();
+  if (!kvc_last_block) return;
+  __threadfence();
+  if (threadIdx.x == 0) *p.arrive = 0ULL;
+  kvc_snapshot_copy(p);
 }

@@ -16,6 +16,9 @@
 // only when it is an entry of its request in the batch this launch was given (which may differ
 // from the batch the plan was built from: such entries are skipped and counted, and block 0
 // reports each request whose entry count disagrees).
+//
+// The step's last launch (eager TAIL's last verify) also takes the pump's snapshot: every kernel
+// ends in kvc_step_end, whose last block to finish copies the status block (common.cuh).
 #include "fingerprint.cuh"
 
 #ifdef KVC_TUNE_VT  // the tuning benchmark compiles variants of the tile depth and occupancy
@@ -477,12 +480,14 @@ extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_VERIFY_BLOCK
 kvc_verify(const __grid_constant__ KvcVerifyParams p) {
   KVC_AFTER_PREVIOUS_GRID();
   kvc_verify_plan<KVC_VT, KVC_FOLD_NARROW>(p, nullptr);
+  kvc_step_end(p.snap[0]);
 }
 
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_MANY_VERIFY_MIN_BLOCKS)
 kvc_verify_many(const __grid_constant__ KvcVerifyParams p) {
   KVC_AFTER_PREVIOUS_GRID();
   kvc_verify_plan<KVC_VT, KVC_FOLD_MANY>(p, nullptr);
+  kvc_step_end(p.snap[0]);
 }
 
 extern "C" __global__ void __launch_bounds__(KVC_WIDE_VERIFY_THREADS)
@@ -490,12 +495,14 @@ kvc_verify_wide(const __grid_constant__ KvcVerifyParams p) {
   KVC_AFTER_PREVIOUS_GRID();
   __shared__ KvcWideStage stage[KVC_WIDE_VERIFY_THREADS / 32];
   kvc_verify_plan<1, KVC_FOLD_WIDE>(p, stage);
+  kvc_step_end(p.snap[0]);
 }
 
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_VERIFY_BLOCKS_PER_SM)
 kvc_fused_verify(const __grid_constant__ KvcFusedVerifyParams p) {
   KVC_AFTER_PREVIOUS_GRID();
   kvc_verify_fused<KVC_VT, KVC_FOLD_NARROW>(p, nullptr);
+  kvc_step_end(p.snap[0]);
 }
 
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_MANY_VERIFY_MIN_BLOCKS)
@@ -503,6 +510,7 @@ kvc_fused_verify_many(const __grid_constant__ KvcFusedVerifyParams p) {
   KVC_AFTER_PREVIOUS_GRID();
   __shared__ KvcManyStage<KVC_MANY_VT> many;
   kvc_verify_fused<KVC_MANY_VT, KVC_FOLD_MANY>(p, nullptr, &many);
+  kvc_step_end(p.snap[0]);
 }
 
 extern "C" __global__ void __launch_bounds__(KVC_WIDE_VERIFY_THREADS)
@@ -510,14 +518,16 @@ kvc_fused_verify_wide(const __grid_constant__ KvcFusedVerifyParams p) {
   KVC_AFTER_PREVIOUS_GRID();
   __shared__ KvcWideStage stage[KVC_WIDE_VERIFY_THREADS / 32];
   kvc_verify_fused<1, KVC_FOLD_WIDE>(p, stage);
+  kvc_step_end(p.snap[0]);
 }
 
 // The K and V halves of a group in one launch: blockIdx.y is the half, each verified as its own
-// launch would verify it.
+// launch would verify it. The step's snapshot, when this launch takes it, is half 0's.
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_VERIFY_BLOCKS_PER_SM)
 kvc_fused_verify_pair(const __grid_constant__ KvcFusedVerifyPair p) {
   KVC_AFTER_PREVIOUS_GRID();
   if (blockIdx.y < KVC_HALVES) kvc_verify_fused<KVC_VT, KVC_FOLD_NARROW>(p.half[blockIdx.y], nullptr);
+  kvc_step_end(p.half[0].snap[0]);
 }
 
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_MANY_VERIFY_MIN_BLOCKS)
@@ -525,6 +535,7 @@ kvc_fused_verify_many_pair(const __grid_constant__ KvcFusedVerifyPair p) {
   KVC_AFTER_PREVIOUS_GRID();
   __shared__ KvcManyStage<KVC_MANY_VT> many;
   if (blockIdx.y < KVC_HALVES) kvc_verify_fused<KVC_MANY_VT, KVC_FOLD_MANY>(p.half[blockIdx.y], nullptr, &many);
+  kvc_step_end(p.half[0].snap[0]);
 }
 
 extern "C" __global__ void __launch_bounds__(KVC_WIDE_VERIFY_THREADS)
@@ -532,4 +543,5 @@ kvc_fused_verify_wide_pair(const __grid_constant__ KvcFusedVerifyPair p) {
   KVC_AFTER_PREVIOUS_GRID();
   __shared__ KvcWideStage stage[KVC_WIDE_VERIFY_THREADS / 32];
   if (blockIdx.y < KVC_HALVES) kvc_verify_fused<1, KVC_FOLD_WIDE>(p.half[blockIdx.y], stage);
+  kvc_step_end(p.half[0].snap[0]);
 }

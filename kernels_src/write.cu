@@ -16,6 +16,7 @@
 // the serial chain would make, byte for byte; any request whose links do not all hold (a record
 // changed, a slot skipped) runs the serial chain.
 #include "fingerprint.cuh"
+#include "plan.cuh"
 
 static_assert(KVC_BLOCK_THREADS == 256, "the write kernel's warp roles assume 8 warps");
 #define KVC_WRITE_WORKERS 192                // warps 1-3 and 5-7: loads, folds and stores
@@ -178,62 +179,86 @@ __device__ __forceinline__ unsigned kvc_write_linked(const KvcWriteParams& p, lo
   return stamped;
 }
 
-// The write of one params struct (a launch, or one half of a paired launch).
-__device__ __forceinline__ void kvc_write_run(const KvcWriteParams& p) {
-  __shared__ KvcWriteStage stage[3];   // chunk k % 3: chained, stored (k - 1) and loaded (k + 1) at once
-  __shared__ KvcWriteChain chain[2];   // chain values of chunk k % 2
+// A write block's shared memory.
+struct KvcWriteShared {
+  KvcWriteStage stage[3];  // chunk k % 3: chained, stored (k - 1) and loaded (k + 1) at once
+  KvcWriteChain chain[2];  // chain values of chunk k % 2
+};
+
+// Request r's tokens [start, end) stamped, its chain run from `seed` (its WritePlan seed), by every
+// thread of the block (the same r, range and seed in each). Returns the entries this thread stamped.
+__device__ __forceinline__ unsigned kvc_write_request(const KvcWriteParams& p, KvcWriteShared& sh, long long r,
+                                                      long long start, long long end, long long seed,
+                                                      bool has_expected, bool assert_flag) {
   const int tid = threadIdx.x, worker = kvc_write_worker(tid);
-  if (blockIdx.x == 0 && tid == 0) atomicAdd(p.kernel_run_counter, 1ULL);
+  const int chunks = (int)((end - start + KVC_WRITE_CHUNK - 1) / KVC_WRITE_CHUNK);
+  uint64_t running = kvc_sm(KVC_ANCHOR);  // the chain's value before the first entry
+  long long running_pos = 0;
+  bool pos_assert = false;
+  if (seed > KVC_SEED_INVALID && seed <= KVC_SEED_INVALID + KVC_BATCH_FIELD_MAX) return 0;  // rejected
+  __syncthreads();  // the previous request's chunks are consumed
+  if (seed >= p.num_slots || seed < KVC_CHAIN_HEAD) {  // a seed slot outside the buffer: chain head
+    if (tid == 0) kvc_record(p, r, seed, KVC_NO_POSITION, 0, KVC_NO_EXPECTED_TOKEN, 0, 0, KVC_SLOT_OUT_OF_RANGE);
+  } else if (seed >= 0) {
+    pos_assert = assert_flag;
+    running = kvc_slot_hash(p, seed);
+    running_pos = kvc_slot(p, seed)[KVC_FIELD_POSITION];
+  }
+  if (p.chain_source != 0 && chunks > 0 && kvc_chain_links(p, start, end, running))
+    return kvc_write_linked(p, r, start, end, running_pos, has_expected, pos_assert);
+  unsigned stamped = 0;
+  if (worker >= 0 && chunks > 0) kvc_write_load(p, sh.stage[0], start, end, worker);
+  __syncthreads();
+  for (int k = 0; k <= chunks; ++k) {
+    const long long base = start + (long long)k * KVC_WRITE_CHUNK;
+    if (tid == 0) {
+      if (k < chunks) {
+        const int n = (int)(end - base < KVC_WRITE_CHUNK ? end - base : KVC_WRITE_CHUNK);
+        kvc_write_chain(p, sh.stage[k % 3], n, sh.chain[k & 1], running, running_pos);
+      }
+    } else if (worker >= 0) {
+      if (k > 0) {
+        const long long prev_base = base - KVC_WRITE_CHUNK;
+        const int n = (int)(end - prev_base < KVC_WRITE_CHUNK ? end - prev_base : KVC_WRITE_CHUNK);
+        stamped += kvc_write_store(p, r, sh.stage[(k - 1) % 3], sh.chain[(k - 1) & 1], prev_base, n, worker,
+                                   has_expected, pos_assert);
+      }
+      if (k + 1 < chunks) kvc_write_load(p, sh.stage[(k + 1) % 3], base + KVC_WRITE_CHUNK, end, worker);
+    }
+    __syncthreads();
+  }
+  return stamped;
+}
+
+// What a write launch counts: the launch (block 0) and, per warp, the entries its threads stamped.
+__device__ __forceinline__ void kvc_write_count(const KvcWriteParams& p, unsigned stamped) {
+  const unsigned warp_stamped = __reduce_add_sync(KVC_FULL_MASK, stamped);
+  if ((threadIdx.x & 31) == 0 && warp_stamped) atomicAdd(p.slot_run_counter, (unsigned long long)warp_stamped);
+}
+
+__device__ __forceinline__ bool kvc_write_has_expected(const KvcWriteParams& p) {
+  return p.expected_input_ids != 0 && p.expected_positions != 0;
+}
+
+__device__ __forceinline__ bool kvc_write_asserts(const KvcWriteParams& p) {
+  return p.chain_position_assert != 0 && *p.chain_position_assert != 0;
+}
+
+// The write of one params struct (a launch, or one half of a paired launch): its requests from the
+// WritePlan the plan builder stored.
+__device__ __forceinline__ void kvc_write_run(const KvcWriteParams& p) {
+  __shared__ KvcWriteShared sh;
+  if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(p.kernel_run_counter, 1ULL);
   const long long num_reqs = kvc_clamp(*p.num_valid_reqs, 0, p.req_capacity);
   const long long T = p.num_tokens;
-  const bool has_expected = p.expected_input_ids != 0 && p.expected_positions != 0;
-  const bool assert_flag = p.chain_position_assert != 0 && *p.chain_position_assert != 0;
+  const bool has_expected = kvc_write_has_expected(p), assert_flag = kvc_write_asserts(p);
   unsigned stamped = 0;
-
   for (long long r = blockIdx.x; r < num_reqs; r += gridDim.x) {
     const long long start = kvc_clamp(p.offsets[r], 0, T);
     const long long end = kvc_clamp(p.offsets[r + 1], start, T);
-    const long long seed = p.seed[r];
-    const int chunks = (int)((end - start + KVC_WRITE_CHUNK - 1) / KVC_WRITE_CHUNK);
-    uint64_t running = kvc_sm(KVC_ANCHOR);  // the chain's value before the first entry
-    long long running_pos = 0;
-    bool pos_assert = false;
-    if (seed > KVC_SEED_INVALID && seed <= KVC_SEED_INVALID + KVC_BATCH_FIELD_MAX) continue;  // rejected
-    __syncthreads();  // the previous request's chunks are consumed
-    if (seed >= p.num_slots || seed < KVC_CHAIN_HEAD) {  // a seed slot outside the buffer: chain head
-      if (tid == 0) kvc_record(p, r, seed, KVC_NO_POSITION, 0, KVC_NO_EXPECTED_TOKEN, 0, 0, KVC_SLOT_OUT_OF_RANGE);
-    } else if (seed >= 0) {
-      pos_assert = assert_flag;
-      running = kvc_slot_hash(p, seed);
-      running_pos = kvc_slot(p, seed)[KVC_FIELD_POSITION];
-    }
-    if (p.chain_source != 0 && chunks > 0 && kvc_chain_links(p, start, end, running)) {
-      stamped += kvc_write_linked(p, r, start, end, running_pos, has_expected, pos_assert);
-      continue;
-    }
-    if (worker >= 0 && chunks > 0) kvc_write_load(p, stage[0], start, end, worker);
-    __syncthreads();
-    for (int k = 0; k <= chunks; ++k) {
-      const long long base = start + (long long)k * KVC_WRITE_CHUNK;
-      if (tid == 0) {
-        if (k < chunks) {
-          const int n = (int)(end - base < KVC_WRITE_CHUNK ? end - base : KVC_WRITE_CHUNK);
-          kvc_write_chain(p, stage[k % 3], n, chain[k & 1], running, running_pos);
-        }
-      } else if (worker >= 0) {
-        if (k > 0) {
-          const long long prev_base = base - KVC_WRITE_CHUNK;
-          const int n = (int)(end - prev_base < KVC_WRITE_CHUNK ? end - prev_base : KVC_WRITE_CHUNK);
-          stamped += kvc_write_store(p, r, stage[(k - 1) % 3], chain[(k - 1) & 1], prev_base, n, worker,
-                                     has_expected, pos_assert);
-        }
-        if (k + 1 < chunks) kvc_write_load(p, stage[(k + 1) % 3], base + KVC_WRITE_CHUNK, end, worker);
-      }
-      __syncthreads();
-    }
+    stamped += kvc_write_request(p, sh, r, start, end, p.seed[r], has_expected, assert_flag);
   }
-  const unsigned warp_stamped = __reduce_add_sync(KVC_FULL_MASK, stamped);
-  if ((tid & 31) == 0 && warp_stamped) atomicAdd(p.slot_run_counter, (unsigned long long)warp_stamped);
+  kvc_write_count(p, stamped);
 }
 
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_write(const __grid_constant__ KvcWriteParams p) {
@@ -246,4 +271,79 @@ extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_write(const 
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_write_pair(const __grid_constant__ KvcWritePair p) {
   KVC_AFTER_PREVIOUS_GRID();
   if (blockIdx.y < KVC_HALVES) kvc_write_run(p.half[blockIdx.y]);
+}
+
+// The sum of one value per thread over the block, in every thread (every thread must call it).
+__device__ __forceinline__ long long kvc_block_sum(long long v, long long* warp_totals) {
+  long long total;
+  kvc_block_scan(v, warp_totals, &total);
+  return total;
+}
+
+// HEAD's first launch of a small step (abi.FOLD_MAX_BATCH, FOLD_MAX_TOKENS): kvc_prepare and both
+// halves' writes in one launch, so a decode step spends no launch on its plan. Block b takes
+// requests b, b + gridDim.x, ...: for each it sums the entries and tokens of the requests before it
+// (carried from its previous request), clears the request's verdict word when the build starts the
+// step (§5.7), checks the request as kvc_prepare does (its rows, its seed) and stores its plan
+// entries, then stamps its tokens into the K half and then the V half as kvc_write would from that
+// plan. Every row this launch attributes to request r comes from r's block, after that clear; the
+// cells past the batch are cleared by any block (no row names them). The block of the last request
+// (block 0 of an empty batch) also runs kvc_prepare's whole-batch part. The verify launched next
+// reads the plan this launch stored.
+extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS)
+kvc_prepare_write_pair(const __grid_constant__ KvcPrepareWritePair p) {
+  KVC_AFTER_PREVIOUS_GRID();
+  __shared__ KvcWriteShared sh;
+  __shared__ long long warp_totals[32];
+  __shared__ long long request_seed;
+  const KvcPrepareParams& q = p.plan[0];
+  const bool reset = q.verdict_reset != 0;
+  if (reset)
+    for (long long c = q.batch_size + (long long)blockIdx.x * blockDim.x + threadIdx.x; c < q.verdict_len;
+         c += (long long)gridDim.x * blockDim.x)
+      kvc_verdict_clear(q, c);
+  bool has_expected[KVC_HALVES], asserts[KVC_HALVES];
+  unsigned stamped[KVC_HALVES];
+#pragma unroll
+  for (int h = 0; h < KVC_HALVES; ++h) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(p.half[h].kernel_run_counter, 1ULL);
+    has_expected[h] = kvc_write_has_expected(p.half[h]);
+    asserts[h] = kvc_write_asserts(p.half[h]);
+    stamped[h] = 0;
+  }
+  long long entries_before = 0, tokens_before = 0, counted = 0;  // sums over requests [0, counted)
+  for (long long r = blockIdx.x; r < q.batch_size; r += gridDim.x) {
+    long long entries = 0, tokens = 0;
+    for (long long j = counted + threadIdx.x; j < r; j += blockDim.x) {
+      const KvcRequest x = kvc_request(q, j);
+      entries += x.n;
+      tokens += x.tokens;
+    }
+    entries_before += kvc_block_sum(entries, warp_totals);
+    tokens_before += kvc_block_sum(tokens, warp_totals);
+    counted = r;
+    const KvcRequest x = kvc_request(q, r);
+    if (threadIdx.x == 0) {
+      if (reset) kvc_verdict_clear(q, r);
+      const long long seed = kvc_prepare_request(q, r, x);
+      q.entry_offsets[r + 1] = entries_before + x.n;
+      q.write_offsets[r + 1] = tokens_before + x.tokens;
+      q.write_seed[r] = seed;
+      request_seed = seed;
+    }
+    __syncthreads();
+    const long long seed = request_seed;
+#pragma unroll
+    for (int h = 0; h < KVC_HALVES; ++h) {
+      const KvcWriteParams& w = p.half[h];
+      if (r >= w.req_capacity) continue;  // as kvc_write clamps its request count
+      const long long start = kvc_clamp(tokens_before, 0, w.num_tokens);
+      const long long end = kvc_clamp(tokens_before + x.tokens, start, w.num_tokens);
+      stamped[h] += kvc_write_request(w, sh, r, start, end, seed, has_expected[h], asserts[h]);
+    }
+    if (r == q.batch_size - 1) kvc_prepare_finish(q, entries_before + x.n, tokens_before + x.tokens);
+  }
+  if (q.batch_size <= 0 && blockIdx.x == 0) kvc_prepare_finish(q, 0, 0);
+#pragma unroll
+  for (int h = 0; h < KVC_HALVES; ++h) kvc_write_count(p.half[h], stamped[h]);
 }

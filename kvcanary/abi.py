@@ -264,6 +264,21 @@ COMMON = (
     _F("ring_requests", "ptr:long long"),
 )
 
+# The pump's status snapshot (docs/format.md §10): the status block copied into a slot of mapped pinned
+# host memory, then the slot's completion word; by the step's last launch (kvc_step_end: a verify's
+# `snap`, the last of its blocks to finish) or by a kvc_snapshot launch of its own (pump.cu).
+SNAPSHOT_PARAMS = StructDecl("KvcSnapshotParams", (
+    _F("status", "ptr:const long long"),    # the int64 status block (device memory)
+    _F("payload", "ptr:long long"),         # the slot's n int64 (pinned host, device address)
+    _F("done", "ptr:long long"),            # the slot's completion word (pinned host, device address); 0 = none
+    _F("n", "i64"),
+    _F("ticket", "i64"),                    # written to *done last; never 0
+    # cells [0, head] are always copied; (head, n) only when cell head (the step's failed-request
+    # count, docs/format.md §5.7) is nonzero. head = n - 1 copies everything.
+    _F("head", "i64"),
+    _F("arrive", "ptr:unsigned long long"),  # folded into a launch: its blocks that finished (0 between launches)
+))
+
 # Tail of both verify structs: the expected-token switch and the self-test (docs/format.md §11).
 _VERIFY_TAIL = (
     _F("check_expected_token", "i32"),
@@ -273,6 +288,9 @@ _VERIFY_TAIL = (
     _F("fingerprint_every", "i32"),
     _F("_pad1", "i32"),
     _F("fingerprint_phase", "ptr:const unsigned long long"),  # 0 = phase 0
+    # the pump's snapshot when this launch ends the step (eager TAIL's last verify; done 0 = none).
+    # A paired launch takes half 0's.
+    _F("snap", "struct:KvcSnapshotParams"),
 )
 
 VERIFY_PARAMS = StructDecl("KvcVerifyParams", COMMON + (
@@ -374,19 +392,6 @@ PROBE_PARAMS = StructDecl("KvcProbeParams", (
     _F("sources", "struct:KvcSourceDesc", 2),
 ))
 
-# The pump's status snapshot (docs/format.md §10): one launch per step copies the status block into a slot
-# of mapped pinned host memory, then writes the slot's completion word (pump.cu).
-SNAPSHOT_PARAMS = StructDecl("KvcSnapshotParams", (
-    _F("status", "ptr:const long long"),    # the int64 status block (device memory)
-    _F("payload", "ptr:long long"),         # the slot's n int64 (pinned host, device address)
-    _F("done", "ptr:long long"),            # the slot's completion word (pinned host, device address)
-    _F("n", "i64"),
-    _F("ticket", "i64"),                    # written to *done last; never 0
-    # cells [0, head] are always copied; (head, n) only when cell head (the step's failed-request
-    # count, docs/format.md §5.7) is nonzero. head = n - 1 copies everything.
-    _F("head", "i64"),
-))
-
 # One step of vLLM attention metadata staged into a Batch's persistent buffers (kernels_src/stage.cu,
 # kvcanary.adapters.vllm_stager): one launch instead of the adapter's torch ops. Each input is int32
 # or int64: bit i of `wide` is set when input i of STAGE_VLLM_INPUTS is int64 (KVC_STAGE_VLLM_<NAME>
@@ -485,10 +490,18 @@ STAGE_PAGED_PARAMS = StructDecl("KvcStagePagedParams", (
 HALVES = 2
 WRITE_PAIR = StructDecl("KvcWritePair", (_F("half", "struct:KvcWriteParams", HALVES),))
 FUSED_VERIFY_PAIR = StructDecl("KvcFusedVerifyPair", (_F("half", "struct:KvcFusedVerifyParams", HALVES),))
+# HEAD's first launch of a small step (kvc_prepare_write_pair): the plan builder's params and the two
+# halves' writes, which take their ranges and seeds from the plan this launch builds.
+PREPARE_WRITE_PAIR = StructDecl("KvcPrepareWritePair", (_F("plan", "struct:KvcPrepareParams"),
+                                                        _F("half", "struct:KvcWriteParams", HALVES)))
+# The fold's limits: its blocks each sum the requests before theirs (O(batch) loads a block) and
+# stamp both halves one after the other (a request's serial chain twice), so only small steps fold.
+FOLD_MAX_BATCH = 256
+FOLD_MAX_TOKENS = 256
 
 STRUCTS: tuple[StructDecl, ...] = (
-    SOURCE_DESC, VERIFY_PARAMS, WRITE_PARAMS, PREPARE_PARAMS, EXPAND_PARAMS,
-    FUSED_VERIFY_PARAMS, RECORDS_PARAMS, PROBE_PARAMS, SNAPSHOT_PARAMS, WRITE_PAIR, FUSED_VERIFY_PAIR,
+    SOURCE_DESC, SNAPSHOT_PARAMS, VERIFY_PARAMS, WRITE_PARAMS, PREPARE_PARAMS, EXPAND_PARAMS,
+    FUSED_VERIFY_PARAMS, RECORDS_PARAMS, PROBE_PARAMS, WRITE_PAIR, FUSED_VERIFY_PAIR, PREPARE_WRITE_PAIR,
     STAGE_VLLM_PARAMS, STAGE_PAGED_PARAMS, STAGE_SGLANG_PARAMS,
 )
 _BY_NAME = {s.name: s for s in STRUCTS}
@@ -541,7 +554,8 @@ FAMILIES: tuple[KernelFamily, ...] = (
     KernelFamily("verify", "verify.cu", _VERIFY_KERNELS, plain=_VERIFY_PLAIN,
                  paired={"kvc_fused_verify": "kvc_fused_verify_pair", "kvc_fused_verify_wide": "kvc_fused_verify_wide_pair",
                          "kvc_fused_verify_many": "kvc_fused_verify_many_pair"}),
-    KernelFamily("write", "write.cu", {"kvc_write": WRITE_PARAMS.name, "kvc_write_pair": WRITE_PAIR.name},
+    KernelFamily("write", "write.cu", {"kvc_write": WRITE_PARAMS.name, "kvc_write_pair": WRITE_PAIR.name,
+                                       "kvc_prepare_write_pair": PREPARE_WRITE_PAIR.name},
                  paired={"kvc_write": "kvc_write_pair"}),
     KernelFamily("records", "records.cu", {"kvc_copy_records": RECORDS_PARAMS.name}),
     KernelFamily("pump", "pump.cu", {"kvc_snapshot": SNAPSHOT_PARAMS.name}),
@@ -644,6 +658,7 @@ SnapshotParams = CTYPES["KvcSnapshotParams"]
 RecordsParams = CTYPES["KvcRecordsParams"]
 WritePair = CTYPES["KvcWritePair"]
 FusedVerifyPair = CTYPES["KvcFusedVerifyPair"]
+PrepareWritePair = CTYPES["KvcPrepareWritePair"]
 StageVllmParams = CTYPES["KvcStageVllmParams"]
 StagePagedParams = CTYPES["KvcStagePagedParams"]
 StageSglangParams = CTYPES["KvcStageSglangParams"]

@@ -58,16 +58,20 @@ def test_kernel_table_names_existing_structs():
 
 
 def test_snapshot_kernel_is_declared_like_the_others():
-    """The pump's kvc_snapshot takes an appended struct that the prelude asserts and the GPU echo
-    probe covers (the parametrised layout, compile and echo tests pick it up from these tables)."""
+    """The pump's kvc_snapshot takes a struct that the prelude asserts and the GPU echo probe covers
+    (the parametrised layout, compile and echo tests pick it up from these tables); it is declared
+    before the verify structs, which hold one for the snapshot a step's last launch takes."""
     assert abi.KERNELS["kvc_snapshot"] == "KvcSnapshotParams"
-    assert abi.STRUCTS.index(abi.SNAPSHOT_PARAMS) > abi.STRUCTS.index(abi.PROBE_PARAMS)  # appended
+    assert abi.STRUCTS.index(abi.SNAPSHOT_PARAMS) < abi.STRUCTS.index(abi.VERIFY_PARAMS)
     assert abi.SNAPSHOT_PARAMS in abi.PARAMS_STRUCTS
     assert abi.KERNELS["kvc_echo_KvcSnapshotParams"] == "KvcSnapshotParams"
-    assert abi.layout(abi.SNAPSHOT_PARAMS) == {"status": 0, "payload": 8, "done": 16, "n": 24, "ticket": 32, "head": 40}
+    assert abi.layout(abi.SNAPSHOT_PARAMS) == {"status": 0, "payload": 8, "done": 16, "n": 24, "ticket": 32, "head": 40,
+                                               "arrive": 48}
     text = abi.render_prelude()
-    assert "sizeof(KvcSnapshotParams) == 48" in text and "offset of KvcSnapshotParams.ticket" in text
+    assert "sizeof(KvcSnapshotParams) == 56" in text and "offset of KvcSnapshotParams.ticket" in text
     assert "X(KvcSnapshotParams)" in text
+    for decl in (abi.VERIFY_PARAMS, abi.FUSED_VERIFY_PARAMS):  # the last field: appended to the verify tail
+        assert decl.fields[-1] == abi.Field("snap", "struct:KvcSnapshotParams", 1)
 
 
 def test_no_kvcanary_number_typed_into_kernel_sources():
@@ -108,7 +112,7 @@ def test_a_renamed_kernel_is_an_entry_point_abi_does_not_declare():
 def test_a_family_reads_its_own_file_and_the_headers_only():
     sources = kc_compile.read_sources()
     got = kc_compile.family_sources(abi.family_of("kvc_write"), sources)
-    assert sorted(got) == ["common.cuh", "fingerprint.cuh", "write.cu"]
+    assert sorted(got) == ["common.cuh", "fingerprint.cuh", "plan.cuh", "write.cu"]
     with pytest.raises(CompileError, match=r"kernel family write expects kernels_src/write.cu, got only \['plan.cu'\]"):
         kc_compile.family_sources(abi.family_of("kvc_write"), {"plan.cu": "", "common.cuh": ""})
 

@@ -54,13 +54,13 @@ WRITE_KERNEL_LAYOUT: dict[tuple[str, str, str], str] = {
         "unroll of the serial chain loop: tuning",
     ("write.cu", "8", "#pragma unroll 8"):
         "unroll of the repeated-slot scan: tuning",
-    ("write.cu", "3", "__shared__ KvcWriteStage stage[3];"):
+    ("write.cu", "3", "KvcWriteStage stage[3];"):
         "chunks in flight (chained, stored, loaded): tuning",
-    ("write.cu", "3", "kvc_write_chain(p, stage[k % 3], n, chain[k & 1], running, running_pos);"):
+    ("write.cu", "3", "kvc_write_chain(p, sh.stage[k % 3], n, sh.chain[k & 1], running, running_pos);"):
         "chunks in flight",
-    ("write.cu", "3", "stamped += kvc_write_store(p, r, stage[(k - 1) % 3], chain[(k - 1) & 1], prev_base, n, worker,"):
+    ("write.cu", "3", "stamped += kvc_write_store(p, r, sh.stage[(k - 1) % 3], sh.chain[(k - 1) & 1], prev_base, n, worker,"):
         "chunks in flight",
-    ("write.cu", "3", "if (k + 1 < chunks) kvc_write_load(p, stage[(k + 1) % 3], base + KVC_WRITE_CHUNK, end, worker);"):
+    ("write.cu", "3", "if (k + 1 < chunks) kvc_write_load(p, sh.stage[(k + 1) % 3], base + KVC_WRITE_CHUNK, end, worker);"):
         "chunks in flight",
 }
 

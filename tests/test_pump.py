@@ -112,7 +112,9 @@ def record_violation(canary, row: int, slot: int) -> None:
     wi.value = row + 1
 
 
-def test_one_snapshot_launch_per_step_after_the_step_and_no_other_driver_call(fake):
+def test_the_steps_last_launch_takes_the_snapshot_and_no_other_driver_call(fake):
+    """An eager step launches no kvc_snapshot: TAIL's last verify carries the claimed FIFO slot's
+    snapshot params (its last block copies the status: kvc_step_end)."""
     canary, batch, _ = make_canary()
     s = stream(fake)
     step(canary, batch, s)
@@ -120,16 +122,21 @@ def test_one_snapshot_launch_per_step_after_the_step_and_no_other_driver_call(fa
     fake.calls.clear()
     n0 = canary.launch_count
     step(canary, batch, s)
-    assert fake.launched == ["kvc_prepare", "kvc_write", "kvc_fused_verify", "kvc_write", "kvc_fused_verify",
-                             "kvc_snapshot"]  # each stage stamps, then verifies
-    assert canary.launch_count - n0 == canary.launches_per_step() == 6
-    assert [e[0] for e in fake.pending[s]][-1] == "kvc_snapshot"  # on the step's stream, last
+    assert fake.launched == ["kvc_prepare", "kvc_write", "kvc_fused_verify", "kvc_write",
+                             "kvc_fused_verify"]  # each stage stamps, then verifies
+    assert canary.launch_count - n0 == canary.launches_per_step() == 5
     assert dict(fake.calls) == {"cuStreamIsCapturing": 2}        # no event query, no copy
     slot = canary.pump.fifo.queue[-1]
-    p = canary.pump.slot_launches[slot].params
+    last, head = (abi.FusedVerifyParams.from_buffer_copy(e[-1]) for e in (fake.pending[s][-1], fake.pending[s][2]))
+    assert head.snap[0].done == 0  # only the step's last launch takes one
+    p = last.snap[0]
     assert p.status == canary.status.ptr and p.n == canary.status.shape[0]
     assert p.payload == canary.pump.pinned.device_ptr + 8 * p.n * slot
     assert p.done == canary.pump.done.device_ptr + 8 * slot and p.ticket == canary.pump.fifo.tickets[slot]
+    assert p.arrive == canary.pump.arrive.ptr + 8 * slot
+    fake.run()
+    canary.flush()
+    assert canary.step == 2 and canary.pump.launches == 1  # flush's own snapshot only
 
 
 @pytest.mark.parametrize("fused", [True, False])
@@ -145,11 +152,12 @@ def test_a_k_and_v_group_steps_in_paired_launches(fake, fused):
     fake.launched.clear()
     step(canary, batch, s)
     verify = ["kvc_fused_verify_pair"] if fused else ["kvc_verify", "kvc_verify"]  # no plan verify pair
-    stage = ["kvc_write_pair", *verify]
-    plan = ["kvc_prepare"] if fused else ["kvc_prepare", "kvc_expand"]
-    assert fake.launched == [*plan, *stage, *stage, "kvc_snapshot"]
+    # a small fused step folds its plan build into HEAD's writes; the plan design expands a plan
+    head = ["kvc_prepare_write_pair", *verify] if fused else ["kvc_prepare", "kvc_expand", "kvc_write_pair", *verify]
+    assert fake.launched == [*head, "kvc_write_pair", *verify]
     assert canary.launches_per_step() == len(fake.launched)
-    writes = [abi.WritePair.from_buffer_copy(q) for name, _, _, _, q in fake.pending[s] if name == "kvc_write_pair"]
+    writes = [(abi.PrepareWritePair if name == "kvc_prepare_write_pair" else abi.WritePair).from_buffer_copy(q)
+              for name, _, _, _, q in fake.pending[s] if name in ("kvc_write_pair", "kvc_prepare_write_pair")]
     head_k = canary.ctx[("HEAD", "FULL", "K", "write")].buffer.array.ptr
     assert [[h.chain_source for h in w.half] for w in writes[-2:]] == [[0, 0], [head_k, head_k]]
     assert [[h.tag for h in w.half] for w in writes[-2:]] == [
@@ -165,7 +173,8 @@ def test_snapshots_are_taken_in_order_and_skipped_when_the_device_lags(fake):
     s = stream(fake)
     for _ in range(DEPTH + 3):  # the device runs nothing: the FIFO fills, then snapshots are skipped
         step(canary, batch, s)
-    assert canary.pump.skipped == 3 and canary.pump.launches == DEPTH and canary.monitor.last is None
+    assert canary.pump.skipped == 3 and canary.pump.folded == DEPTH and canary.monitor.last is None
+    assert canary.pump.launches == 0  # each step's last launch took its snapshot
     fake.run()
     step(canary, batch, s)  # takes the DEPTH finished snapshots, oldest first
     assert canary.monitor.last[1][0] == DEPTH - 1
@@ -197,12 +206,14 @@ def test_capture_launches_stages_but_no_snapshot_and_counts_nothing(fake):
     s = stream(fake)
     step(canary, batch, s)
     fake.run()
-    n_snap, step_no = canary.pump.launches, canary.step
+    n_snap, n_fold, step_no = canary.pump.launches, canary.pump.folded, canary.step
     fake.capturing.add(s)
     fake.launched.clear()
     step(canary, batch, s)
     assert "kvc_snapshot" not in fake.launched and len(fake.launched) == 5
-    assert canary.pump.launches == n_snap and canary.step == step_no
+    assert canary.pump.launches == n_snap and canary.pump.folded == n_fold and canary.step == step_no
+    last = abi.FusedVerifyParams.from_buffer_copy(fake.captured[-1][-1])
+    assert last.snap[0].done == 0  # a replayed graph writes no ticket: poll() snapshots after it
     canary.poll(s)                     # a poll during capture does nothing either
     assert canary.pump.launches == n_snap and canary.step == step_no
     fake.capturing.clear()

@@ -107,27 +107,29 @@ class KvCanary:
                                       f"before_forward since step {self.monitor.step}'s. Fix: call "
                                       f"before_forward(batch) before the model's forward, after_forward(batch) after")
             self._head_open = False
-            s = self._stage(batch, 1, stream)
+            self.monitor.ended = None
+            s = self._stage(batch, 1, stream, end=self.monitor)  # its last launch takes the snapshot
             if s is not False:  # False: captured
                 self.monitor.report(s, advance=True)
 
-    def _stage(self, batch: Batch, k: int, stream):
+    def _stage(self, batch: Batch, k: int, stream, end=None):
         """Enqueue (or, on the host, run) one stage; the stream, or False while it is capturing a
-        graph (those launches count when the graph is replayed: :meth:`record_replay`)."""
+        graph (those launches count when the graph is replayed: :meth:`record_replay`). ``end``: the
+        monitor, when the stage ends the step (its last launch takes the pump's snapshot)."""
         if self.mode == "none":
             return None
         s = self.backend.stream(stream, batch)
-        if not self.stages.run(batch, STAGES[k], s):
+        if not self.stages.run(batch, STAGES[k], s, end):
             return False
         self.monitor.stage_runs[k] += 1
         return s
 
     def launches_per_step(self) -> int:
         """kernel launches of one eager ``before_forward`` + ``after_forward`` of the batch
-        layout last packed: both stages' launches plus the pump's snapshot (0 on the host)."""
+        layout last packed: both stages' launches (TAIL's last takes the pump's snapshot; 0 on the host)."""
         if self.backend.synchronous or self.mode == "none":
             return 0
-        return self.stages.per_step() + 1
+        return self.stages.per_step()
 
     @property
     def launch_count(self) -> int:

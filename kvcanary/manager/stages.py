@@ -38,51 +38,61 @@ class StageLaunches:
         self.backend, self.fused, self.check_expected_token = parts.backend, parts.config.fused, \
             parts.config.check_expected_token
         self.packed = {st: PackCache(LAYOUTS_KEPT) for st in STAGES}  # layout key -> launches, per stage
+        # HEAD as captured into a CUDA graph: the plan build kept apart from the writes. Folding it
+        # into them (backends' prepare_head) saves a launch's host time but costs GPU time (the
+        # halves then stamp one after the other), and a replayed graph spends no host time per launch
+        self.packed_captured = PackCache(LAYOUTS_KEPT)
         self.held = {st: None for st in STAGES}  # the last step's batch fields, per stage
-        self.hot: dict[str, _Hot | None] = {st: None for st in STAGES}
+        self.hot: dict[tuple, _Hot | None] = {(st, c): None for st in STAGES for c in (False, True)}
         self.launched = 0
 
-    def run(self, batch: Batch, stage: str, stream) -> bool:
+    def run(self, batch: Batch, stage: str, stream, end=None) -> bool:
         """Enqueue (or, on the host, run) ``stage`` on ``stream``; False when the stream is being
-        captured into a CUDA graph (the launches then run only when the graph is replayed)."""
-        return self.backend.run_stage(self, batch, stage, stream)
+        captured into a CUDA graph (the launches then run only when the graph is replayed). ``end``:
+        the step ends here and its last launch takes the pump's snapshot (backends' ``run_stage``)."""
+        return self.backend.run_stage(self, batch, stage, stream, end)
 
-    def launches(self, batch: Batch, stage: str, stream) -> list:
+    def launches(self, batch: Batch, stage: str, stream, captured: bool = False) -> list:
         """The stage's packed launches for this batch: validated and packed once per array layout
         (shapes, strides, dtypes, devices, scalars, which fields alias: :mod:`kvcanary.ops.packing`), then
         replayed with the current arrays' addresses patched into their params (an engine hands
         over new tensors every step). Keyed per call: a tensor may change in place (``set_``,
         ``resize_``); only a step of the very objects of the last one, all of them arrays kvcanary
-        made (DeviceArray, ArrayView: fixed for life) or numbers, replays without a key."""
+        made (DeviceArray, ArrayView: fixed for life) or numbers, replays without a key.
+        ``captured``: the stream is capturing a graph (HEAD keeps its plan build apart then)."""
         fields = tuple(batch.__dict__.values())
-        hot = self.hot[stage]
+        which = (stage, captured)
+        hot = self.hot[which]
         if hot is not None and len(fields) == len(hot.fields) and all(map(is_, fields, hot.fields)):
             return hot.packed.launches  # the very immutable arrays of the stage's last step
         key, ptrs, fixed = arg_keys(fields)
-        self.hot[stage] = None
+        self.hot[which] = None
         self.held[stage] = fields  # the last step's arrays stay alive until the next step of the stage
+        fold = not captured
         if key is None:  # an array that cannot be keyed cheaply: validated and packed every step
-            return self.pack(batch, stage, stream)
-        cache = self.packed[stage]
+            return self.pack(batch, stage, stream, fold)
+        cache = self.packed_captured if captured and stage == "HEAD" else self.packed[stage]
         entry = cache.get(key, ptrs)
         if entry is None:
-            launches = self.pack(batch, stage, stream)
+            launches = self.pack(batch, stage, stream, fold)
             entry = cache.put(key, launches, fields, ptrs, BATCH_FIELD_NAMES)
         if fixed:  # every field IMMUTABLE: identity proves their layout and address
-            self.hot[stage] = _Hot(fields, entry)
+            self.hot[which] = _Hot(fields, entry)
         return entry.launches
 
-    def pack(self, batch: Batch, stage: str, stream) -> list:
+    def pack(self, batch: Batch, stage: str, stream, fold: bool = True) -> list:
         """The launches of one stage for this batch's array layout (validated here, once per
         layout). They hold no reference to the batch's arrays: a later batch with the same layout
-        replays them on its own arrays (same addresses)."""
-        out, prepare = [], self.backend.prepare
+        replays them on its own arrays (same addresses). ``fold``: a device may fold a small
+        step's plan build into HEAD's first launch."""
+        out = []
         for g, grp in self.groups.items():
             plan = self.plans[g]
             swa = dict(swa_window=grp.window, swa_map=grp.full_to_swa) if g == "SWA" else {}
+            build = None
             if stage == "HEAD":  # the step's first build resets its request verdicts (docs/format.md §5.7)
-                out += prepare(bind_build_plan(batch, plan, ctx=self.head_ctx[g],
-                                               reset_verdicts=g == next(iter(self.groups)), **swa), stream)
+                build = bind_build_plan(batch, plan, ctx=self.head_ctx[g], reset_verdicts=g == next(iter(self.groups)),
+                                        **swa)
             loc = batch.swa_out_cache_loc if g == "SWA" else batch.out_cache_loc
             if loc is None:
                 raise ValidationError(f"kv-canary: batch.{'swa_' if g == 'SWA' else ''}out_cache_loc must be given "
@@ -106,7 +116,9 @@ class StageLaunches:
                 else:
                     verify = bind_verify(vctx, plan, check_expected_token=self.check_expected_token, per_request=True)
                 bound.append((write, verify))
-            out += self.backend.prepare_halves(bound, stream)
+            # a device folds a small step's build into HEAD's first launch (backends' prepare_head)
+            out += self.backend.prepare_halves(bound, stream) if build is None else \
+                self.backend.prepare_head(build, bound, stream, fold)
         return out
 
     def per_step(self) -> int:

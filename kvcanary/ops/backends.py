@@ -10,17 +10,23 @@ mark written where the kernels read it, the stream of a step and whether it is c
 
 from __future__ import annotations
 
+import ctypes
+import os
+
 import numpy as np
 
 from .. import abi
 from ..interop.arrays import ArrayView, from_pointer
 from ..reporting.pump import HostPump, Pump
 from ..runtime import driver, memory, streams
-from ..runtime.launch import Launch, paired
+from ..runtime.launch import Launch, folded, paired, snapshot_target
 from . import packing
 from .checks import checked
 from .records import host_slots
 
+# HEAD's plan build folded into its first launch at small steps (runtime.launch.folded); "0" keeps them
+# apart (an A/B of the fold, docs/performance.md)
+FOLD = os.environ.get("KVCANARY_FOLD", "1") != "0"
 SWEEP_ROWS = ("slot", "expected_position", "prev_slot", "expected_token")  # a sweep plan's entry arrays, staged
 
 
@@ -41,13 +47,18 @@ class HostBackend:
         """A group's (write, verify) of each half, run on the reference half after half."""
         return self.prepare([op for half in bound for op in half], stream)
 
+    def prepare_head(self, build, bound, stream, fold: bool = True) -> list:
+        """A group's HEAD: its plan build, then its halves (:meth:`prepare_halves`)."""
+        return self.prepare(build, stream) + self.prepare_halves(bound, stream)
+
     def run_eager(self, owner, head, args, names, stream, owners, stream_objs, pack) -> None:
         """An eager op: validated and run on the reference every call (host values are checked)."""
         for launch in pack():
             launch()
 
-    def run_stage(self, stages, batch, stage: str, stream) -> bool:
-        """A canary's stage: validated and run on the reference (every call)."""
+    def run_stage(self, stages, batch, stage: str, stream, end=None) -> bool:
+        """A canary's stage: validated and run on the reference (every call). ``end`` is unused: the
+        host pump reads the status directly."""
         stages.pack(batch, stage, stream)
         return True
 
@@ -137,20 +148,47 @@ class CudaBackend:
             out += launches if both is None else [both]
         return out
 
+    def prepare_head(self, build, bound, stream, fold: bool = True) -> list[Launch]:
+        """A group's HEAD packed: its plan build and its halves (:meth:`prepare_halves`), the build
+        folded into the paired writes when ``fold`` and the step is small enough
+        (:func:`~kvcanary.runtime.launch.folded`; KVCANARY_FOLD=0 keeps them apart)."""
+        plan, rest = self.prepare(build, stream), self.prepare_halves(bound, stream)
+        if fold and FOLD and len(plan) == 1 and rest:
+            one = folded(plan[0], rest[0])
+            if one is not None:
+                return [one, *rest[1:]]
+        return plan + rest
+
     def run_eager(self, owner, head, args, names, stream, owners, stream_objs, pack) -> None:
         """An eager op: its launches packed once per layout of ``args`` and replayed
         (:func:`kvcanary.ops.packing.run`)."""
         packing.run(owner, head, args, names, stream, self.device, owners, stream_objs, pack)
 
-    def run_stage(self, stages, batch, stage: str, stream) -> bool:
+    def run_stage(self, stages, batch, stage: str, stream, end=None) -> bool:
         """A canary's stage enqueued on ``stream`` (its launches packed once per batch layout:
         ``stages.launches``); False when the stream is capturing a CUDA graph (the launches run when
-        the graph is replayed)."""
-        launches = stages.launches(batch, stage, stream)
-        for launch in launches:
-            launch.go(stream)
+        the graph is replayed). ``end``: the step ends with this stage, whose last launch then takes
+        the pump's snapshot when the stream is not capturing (``end.claim()`` gives its params, or
+        None when every FIFO slot is in flight; ``end.unclaim`` when the launch fails)."""
+        captured = self.rt.capturing(stream)
+        launches = stages.launches(batch, stage, stream, captured)
+        snap = None if end is None else snapshot_target(launches[-1])
+        claim = None
+        if snap is not None:
+            claim = None if captured else end.claim()
+            if claim is None:
+                snap.done = 0  # a graph replays no host ticket: its snapshot is launched after the replay
+            else:
+                ctypes.memmove(ctypes.addressof(snap), ctypes.addressof(claim[1]), ctypes.sizeof(snap))
+        try:
+            for launch in launches:
+                launch.go(stream)
+        except BaseException:
+            if claim is not None:
+                end.unclaim(claim[0])
+            raise
         stages.launched += len(launches)
-        return not self.rt.capturing(stream)
+        return not captured
 
     def zeros(self, shape, dtype):
         return memory.zeros(shape, dtype, self.device)

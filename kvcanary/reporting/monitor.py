@@ -50,9 +50,22 @@ class Monitor:
                              self.layout.runs(self.keys.index(Key("TAIL", "FULL", full, "verify"))))
         self.verdict_run = 0          # the HEAD run whose verdicts were reported last
         self.failed: list[FailedRequest] = []  # reported, not yet taken (KvCanary.failed_requests)
+        self.ended = None  # how the step's last launch took its snapshot (:meth:`claim`)
 
-    def meta(self):
-        return (self.step, self.stage_runs[0], self.stage_runs[1], self.expected, self.ledger.floor)
+    def meta(self, tail: int = 0):
+        """What a snapshot taken now carries (``tail``: TAIL runs enqueued with it, not yet counted)."""
+        return (self.step, self.stage_runs[0], self.stage_runs[1] + tail, self.expected, self.ledger.floor)
+
+    # the snapshot a step's last launch takes (backends' run_stage ``end``): "folded" once claimed,
+    # "skipped" when every FIFO slot was in flight, None when the stage took none (report launches one)
+    def claim(self):
+        got = self.pump.claim_end(self.meta(tail=1))
+        self.ended = "skipped" if got is None else "folded"
+        return got
+
+    def unclaim(self, slot: int) -> None:
+        self.pump.unclaim(slot)
+        self.ended = None
 
     def count(self, indices) -> None:
         """One more launch enqueued for each context index (a new array: metas keep the old)."""
@@ -62,10 +75,13 @@ class Monitor:
 
     def report(self, stream, advance: bool) -> None:
         """Report the snapshots completed so far, then snapshot again on ``stream`` (None: no new
-        snapshot); ``advance``: this ends a step."""
-        meta = self.meta()
+        snapshot) unless the step's last launch took it (:meth:`claim`); ``advance``: this ends a step."""
+        meta, ended, self.ended = self.meta(), self.ended, None
         taken = self.pump.take(meta)
-        enqueued = stream is not None and self.pump.snapshot(stream, meta)  # ring reads use a side stream
+        if ended is not None:
+            enqueued = ended == "folded"
+        else:
+            enqueued = stream is not None and self.pump.snapshot(stream, meta)  # ring reads use a side stream
         if advance:
             self.step += 1
         try:

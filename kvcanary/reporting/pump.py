@@ -1,7 +1,8 @@
 """Asynchronous violation pump (docs/format.md §10): the serving loop never waits on the canary.
 
-Each step, one launch of ``kvc_snapshot`` (kernels_src/pump.cu) on the step's stream, after the
-step's launches, copies a small status block (ring write index, per-launch counters, plan flags)
+Each step, the last block to finish of the step's last launch (eager TAIL's last verify:
+``kvc_step_end``, kernels_src/common.cuh), or a launch of ``kvc_snapshot`` (kernels_src/pump.cu) on
+the step's stream after the step's launches (a replayed graph, a poll), copies a small status block (ring write index, per-launch counters, plan flags)
 into a slot of pinned host memory mapped for the device, then writes the slot's completion word.
 The host reads completion words with plain memory loads (no driver call, no event) and takes the
 finished snapshots in FIFO order. Only when a snapshot shows new violations is the ring read back
@@ -101,7 +102,7 @@ class SnapshotFifo:
 class HostPump:
     """The host backend's pump: the status is current after every (synchronous) launch."""
 
-    launches = skipped = in_flight = 0
+    launches = skipped = in_flight = folded = 0
 
     def __init__(self, status):
         self.status = status
@@ -120,7 +121,8 @@ class Pump:
     """Snapshots ``status`` (a device int64 ``[n]``) into a FIFO of ``DEPTH`` pinned slots; hands
     back completed snapshots in order, so each violation is attributed to the first step whose
     snapshot shows it. When the device runs ``DEPTH`` steps behind, a new snapshot is skipped
-    (the next covers it). ``launches`` counts the snapshot launches enqueued."""
+    (the next covers it). ``launches`` counts the snapshot launches enqueued, ``folded`` the snapshots
+    a step's last launch took (:meth:`claim_end`)."""
 
     DEPTH = DEPTH
 
@@ -129,7 +131,8 @@ class Pump:
         self.n = status.shape[0]
         self.head = self.n - 1 if head is None else head  # cells past head: copied only when cell head != 0
         self.ring_requests = ring_requests
-        self.launches = 0
+        self.launches = 0  # kvc_snapshot launches enqueued
+        self.folded = 0    # snapshots claimed by a step's last launch (claim_end)
         rt = driver.runtime(device)
         self.pinned = memory.PinnedBuffer((self.DEPTH, self.n), np.int64, device, mapped=True)
         self.done = memory.PinnedBuffer((self.DEPTH,), np.int64, device, mapped=True)
@@ -138,6 +141,9 @@ class Pump:
         self.requests_pinned = None
         self.ring_side = memory.new_stream(device)  # idle but for ring reads: never waits on steps
         block = min(_SNAPSHOT_BLOCK, abi.WARP_SIZE * -(-self.n // abi.WARP_SIZE))
+        # a snapshot folded into a step's last launch counts that launch's finished blocks here, a
+        # cell per slot: no two snapshots in flight share one (common.cuh kvc_step_end)
+        self.arrive = memory.zeros((self.DEPTH,), np.int64, device)
         self.slot_launches = []  # one prepacked launch per slot; its ticket set per use
         for slot in range(self.DEPTH):
             p = abi.SnapshotParams()
@@ -145,8 +151,9 @@ class Pump:
             p.payload = self.pinned.device_ptr + abi.WORD_BYTES * self.n * slot
             p.done = self.done.device_ptr + abi.WORD_BYTES * slot
             p.head = self.head
+            p.arrive = self.arrive.ptr + abi.WORD_BYTES * slot
             self.slot_launches.append(Launch(rt, "kvc_snapshot", 1, block, p, driver.PER_THREAD_STREAM,
-                                                    (status, self.pinned, self.done)))
+                                                    (status, self.pinned, self.done, self.arrive)))
 
     @property
     def skipped(self) -> int:
@@ -178,6 +185,23 @@ class Pump:
             raise
         self.launches += 1
         return True
+
+    def claim_end(self, meta=None):
+        """(FIFO slot, its snapshot params with the ticket set) for a snapshot that a step's last
+        launch takes (kvc_step_end), or None when skipped (every slot in flight, as :meth:`snapshot`)."""
+        fifo = self.fifo
+        slot = fifo.claim(meta)
+        if slot < 0:
+            return None
+        params = self.slot_launches[slot].params
+        params.ticket = fifo.tickets[slot]
+        self.folded += 1
+        return slot, params
+
+    def unclaim(self, slot: int) -> None:
+        """Give back the newest claim: the launch that was to take it could not be enqueued."""
+        self.fifo.unclaim(slot)
+        self.folded -= 1
 
     def drain(self, meta=None) -> list:
         """Wait for the device (context synchronise) and take every snapshot (shutdown, tests)."""

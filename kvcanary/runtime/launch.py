@@ -55,6 +55,32 @@ def paired(k: Launch, v: Launch) -> Launch | None:
     return Launch(k.rt, name, max(k.grid, v.grid), k.block, p, k.stream, (k.keep, v.keep), grid_y=abi.HALVES)
 
 
+def folded(plan: Launch, writes: Launch) -> Launch | None:
+    """HEAD's first launch of a small step: the plan builder ``plan`` (kvc_prepare) and the paired
+    writes ``writes`` (kvc_write_pair) as one kvc_prepare_write_pair launch, a block per request; or
+    None where they cannot share one: other kernels, devices, streams or blocks, or a step past
+    abi.FOLD_MAX_BATCH requests or abi.FOLD_MAX_TOKENS new tokens. The params are copied."""
+    if plan.name != "kvc_prepare" or writes.name != "kvc_write_pair" or plan.rt is not writes.rt \
+            or plan.stream != writes.stream or writes.block != abi.BLOCK_THREADS:
+        return None
+    q = plan.params
+    if q.batch_size > abi.FOLD_MAX_BATCH or q.num_tokens > abi.FOLD_MAX_TOKENS:
+        return None
+    p = abi.PrepareWritePair()
+    p.plan[0] = q
+    p.half[0], p.half[1] = writes.params.half[0], writes.params.half[1]
+    grid = max(1, min(writes.grid, q.batch_size))
+    return Launch(plan.rt, "kvc_prepare_write_pair", grid, abi.BLOCK_THREADS, p, plan.stream, (plan.keep, writes.keep))
+
+
+def snapshot_target(launch: Launch):
+    """The snapshot params a step's last launch takes the pump's snapshot with (a verify's
+    ``snap``; a paired launch's half 0's), or None for a kernel that takes none."""
+    p = launch.params
+    holder = p.half[0] if launch.grid_y > 1 else p
+    return holder.snap[0] if hasattr(holder, "snap") else None
+
+
 def launch_config(d, grid: int, grid_y: int, block: int, stream, pdl: bool):
     """The cuLaunchKernelEx config (``d``: cuda.bindings.driver) of a ``grid`` x ``grid_y`` launch of
     ``block`` threads on ``stream``. ``pdl``: the launch may begin while the previous kernel of the

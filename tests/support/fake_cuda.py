@@ -2,8 +2,8 @@
 
 "Device memory" is host memory (ctypes buffers at real addresses), launches are queued per
 stream and run when the test calls :meth:`FakeDriver.run` or a synchronising call is made. Each
-runs from the params struct bytes copied at launch time, as the driver does: ``kvc_snapshot`` is
-emulated, ``kvc_prepare`` enables an empty plan, verify and write launches only count their run
+runs from the params struct bytes copied at launch time, as the driver does: ``kvc_snapshot`` (and a
+verify's ``snap``) is emulated, ``kvc_prepare`` (and the fold's plan part) enables an empty plan, verify and write launches only count their run
 (``kernel_run_counter``), so a fake step is clean. Each ``cuLibraryLoadData`` is a :class:`FakeLibrary`
 of the cubin's real entry points and variables (a kernel asked of another family's library is not
 found, as on a device); ``library_loads`` names the family of each, in load order. Types and enums
@@ -38,6 +38,18 @@ class FakeLibrary:
         self.family, self.device = families.pop(), device
 
 
+def _snapshot(p) -> None:
+    """What kvc_snapshot (or a launch's kvc_step_end) does: the status block, then the ticket."""
+    ctypes.memmove(p.payload, p.status, 8 * p.n)
+    ctypes.c_int64.from_address(p.done).value = p.ticket
+
+
+def _prepare(p) -> None:
+    """What kvc_prepare does for the fake step: a plan with nothing to verify, enabled."""
+    ctypes.c_int32.from_address(p.verify_num_valid).value = 0
+    ctypes.c_int32.from_address(p.verify_enable).value = 1
+
+
 class FakeDriver:
     def __init__(self):
         self.memory: dict[int, object] = {}
@@ -47,6 +59,7 @@ class FakeDriver:
         self.pdl: list[bool] = []                            # per cuLaunchKernelEx: PDL allowed
         self.streams: list[int] = []                         # the stream handle of each launch
         self.capturing: set[int] = set()                     # streams reported as capturing
+        self.captured: list = []                             # launches made while capturing, as pending's
         self.invalidated: set[int] = set()                   # captures a capture-unsafe call broke
         self.unsafe_calls: list[str] = []                    # those calls, in order
         self.calls: dict[str, int] = defaultdict(int)
@@ -68,17 +81,21 @@ class FakeDriver:
                 p = abi.CTYPES[abi.KERNELS[kernel]].from_buffer_copy(params)
                 if self.kernels is not None:
                     self.kernels.launch(kernel, grid, block, params, grid_y)
-                elif hasattr(p, "half"):  # a paired launch: each half counts its run
+                    continue
+                if hasattr(p, "plan"):  # HEAD's fold: the plan builder's part first
+                    _prepare(p.plan[0])
+                if hasattr(p, "half"):  # a paired launch: each half counts its run
                     for half in p.half:
                         ctypes.c_int64.from_address(half.kernel_run_counter).value += 1
                 elif kernel == "kvc_snapshot":
-                    ctypes.memmove(p.payload, p.status, 8 * p.n)
-                    ctypes.c_int64.from_address(p.done).value = p.ticket
-                elif kernel == "kvc_prepare":  # a plan with nothing to verify, enabled
-                    ctypes.c_int32.from_address(p.verify_num_valid).value = 0
-                    ctypes.c_int32.from_address(p.verify_enable).value = 1
+                    _snapshot(p)
+                elif kernel == "kvc_prepare":
+                    _prepare(p)
                 elif hasattr(p, "kernel_run_counter"):
                     ctypes.c_int64.from_address(p.kernel_run_counter).value += 1
+                holder = p.half[0] if hasattr(p, "half") else p
+                if hasattr(holder, "snap") and holder.snap[0].done:  # the step's last launch takes the snapshot
+                    _snapshot(holder.snap[0])
 
     def _alloc(self, nbytes: int) -> int:
         buf = ctypes.create_string_buffer(max(int(nbytes), 1))
@@ -250,8 +267,11 @@ class FakeDriver:
         self.launched.append(fn)
         self.streams.append(int(stream))
         self.shapes.append((fn, gx, bx))
-        if int(stream) not in self.capturing:  # a captured launch runs only on replay
-            self.pending[int(stream)].append((fn, gx, gy, bx, ctypes.string_at(struct_at, size)))
+        launch = (fn, gx, gy, bx, ctypes.string_at(struct_at, size))
+        if int(stream) in self.capturing:  # a captured launch runs only on replay
+            self.captured.append(launch)
+        else:
+            self.pending[int(stream)].append(launch)
             if self.immediate:
                 self.run(int(stream))
         return (OK,)
