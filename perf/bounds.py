@@ -29,7 +29,7 @@ from kvcanary.runtime.nvrtc_build import compile_cubin, kernels_dir
 
 from .timing import GpuTimer, pack_args, python_workload
 
-KERNELS = Path(__file__).resolve().parent / "kernels"  # probes.cu and baseline.cu
+KERNELS = Path(__file__).resolve().parent / "kernels"  # probes.cu, baseline.cu, owners.cuh
 PROBE_NAMES = ("kvcp_spin", "kvcp_read", "kvcp_fill", "kvcp_chain", "kvcp_chain_vector", "kvcp_verify_loads",
                "kvcb_verify_persistent", "kvcb_write_one_thread", "kvcb_verify_simple")
 KEY = 0x5EED_C0DE_0BAD_F00D  # probes store their folded loads only if they equal this: never
@@ -41,8 +41,9 @@ i64, u64 = ctypes.c_int64, ctypes.c_uint64
 
 
 def probe_sources() -> dict[str, str]:
-    """The perf program for compile_cubin: probes.cu, baseline.cu and kernels_src's common.cuh."""
-    return {"probes.cu": (KERNELS / "probes.cu").read_text(), "baseline.cu": (KERNELS / "baseline.cu").read_text(),
+    """The perf program for compile_cubin: probes.cu, baseline.cu and their owners.cuh, and
+    kernels_src's common.cuh."""
+    return {**{name: (KERNELS / name).read_text() for name in ("probes.cu", "baseline.cu", "owners.cuh")},
             "common.cuh": (kernels_dir() / "common.cuh").read_text()}
 
 
@@ -88,20 +89,31 @@ class Probes:
     def chain(self, n: int, stream: int, vector: bool = False) -> None:
         self.launch("kvcp_chain_vector" if vector else "kvcp_chain", 1, 32, stream, i64(n), u64(KEY), u64(self.out.ptr))
 
-    def verify_loads(self, stream: int, *, canary, n: int, plan=None, rpi=None, rtt=None,
-                     per_req: int = 1, src=None, src_row_stride: int = 0, page_size: int = 1,
-                     bytes_per_token: int = 16, hash_bytes: int = 0, coop: bool = False) -> None:
-        """The loads of ``n`` verify entries: ``plan`` (a materialised StepPlan) or the fused
-        indexing through ``rpi``/``rtt`` (uniform ``per_req`` entries per request); real-KV
-        strips per lane or, with ``coop``, coalesced across the warp."""
+    def resident_grid(self, name: str, items: int, block: int = BLOCK) -> int:
+        """Blocks of one resident wave of kernel ``name`` (its occupancy at ``block`` threads on
+        this device), no more than ``items`` work items need: a grid-stride kernel's blocks then
+        all run at once, never a second wave of a few blocks per SM."""
+        per_sm = check(cu.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.fn[name], block, 0), f"occupancy({name})")
+        return max(1, min(int(per_sm) * self.rt.sm_count, -(-items // block)))
+
+    def verify_loads(self, stream: int, *, canary, n: int, plan, rpi=None, prefix_lens=None, rtt=None,
+                     src=None, src_row_stride: int = 0, page_size: int = 1, bytes_per_token: int = 16,
+                     hash_bytes: int = 0, coop: bool = False) -> None:
+        """The loads of ``n`` verify entries of ``plan`` (a StepPlan build_plan filled): a
+        materialised plan's four arrays, or the fused indexing, each entry's request found in
+        ``plan.entry_offsets`` and its ``rpi``/``prefix_lens``/``rtt`` cells read (any request
+        lengths); real-KV strips per lane or, with ``coop``, coalesced across the warp."""
         p = lambda a: u64(0 if a is None else a.ptr)  # noqa: E731
-        planned = (plan.slot, plan.expected_token, plan.expected_position, plan.prev_slot) if plan else (None,) * 4
-        rtt_stride = rtt.shape[1] if rtt is not None else 0
+        fused = not plan.materialized
+        planned = (None,) * 4 if fused else (plan.slot, plan.expected_token, plan.expected_position, plan.prev_slot)
+        if fused and (rpi is None or prefix_lens is None or rtt is None):
+            raise ValueError("perf: the fused probe reads the batch: pass rpi, prefix_lens and rtt")
         self.launch("kvcp_verify_loads", self.grid(n), BLOCK, stream,
-                    p(canary), i64(canary.shape[1] // 8), *(p(a) for a in planned), p(rpi), p(rtt),
-                    i64(rtt_stride), i64(per_req), p(src), i64(src_row_stride), i64(page_size),
-                    i64(bytes_per_token), i64(hash_bytes), ctypes.c_int32(int(coop)), i64(n), u64(KEY),
-                    u64(self.out.ptr))
+                    p(canary), i64(canary.shape[1] // 8), *(p(a) for a in planned),
+                    p(plan.entry_offsets if fused else None), i64(rpi.shape[0] if fused else 0),
+                    p(rpi), p(prefix_lens), p(rtt), i64(rtt.shape[1] if rtt is not None else 0),
+                    p(src), i64(src_row_stride), i64(page_size), i64(bytes_per_token), i64(hash_bytes),
+                    ctypes.c_int32(int(coop)), i64(n), u64(KEY), u64(self.out.ptr))
 
 
 class Bounds:
@@ -182,11 +194,12 @@ class Bounds:
                     f"one serial mix3 chain x{w.extend}"
         return bound, name
 
-    def verify_probe(self, w, mode: str, plan=None) -> tuple[float, dict[str, float]]:
-        """GPU seconds of the same loads as a verify of workload ``w`` in ``mode`` (no hashing), one
-        entry per lane: the best of the per-lane and, for strips of 64 bytes or more,
-        warp-coalesced strip loads (every pattern measured is in the returned dict). Needs a
-        uniform prefix per request (not the ``vllm`` mix)."""
+    def verify_probe(self, w, mode: str, plan) -> tuple[float, dict[str, float]]:
+        """GPU seconds of the same loads as a verify of workload ``w`` in ``mode`` (no hashing) with
+        ``plan`` (built for ``w.batch``: a materialised plan's arrays, else the fused indexing through
+        its entry offsets, on every slot layout), one entry per lane: the best of the per-lane and,
+        for strips of 64 bytes or more, warp-coalesced strip loads (every pattern measured is in the
+        returned dict)."""
         ctx = w.context(mode)
         hb = w.hash_bytes(mode)
         kv = dict(src=w.pool if hb else None, src_row_stride=w.bytes_per_token, page_size=1,
@@ -194,7 +207,7 @@ class Bounds:
         times = {}
         for coop in (False, True) if hb >= 64 else (False,):
             run = lambda s, coop=coop: self.probes.verify_loads(  # noqa: E731
-                s, canary=ctx.buffer.array, n=w.entries, plan=plan, rpi=w.rpi, rtt=w.rtt,
-                per_req=w.prefix, coop=coop, **kv)
+                s, canary=ctx.buffer.array, n=w.entries, plan=plan, rpi=w.rpi, prefix_lens=w.batch.prefix_lens,
+                rtt=w.rtt, coop=coop, **kv)
             times["coalesced" if coop else "per_lane"] = self.timer.gpu_time(run)
         return min(times.values()), times
