@@ -178,7 +178,9 @@ def test_snapshots_in_order_skipped_when_full_then_flushed():
 def test_a_violation_shows_up_in_the_first_poll_after_the_device_finished():
     s = Session(0)
     s.play(3, _wrong_rtt, stop_after=3)
-    assert [r for r in s.records if r["type"] == "violation"] == []  # step 3's snapshot not taken yet
+    # step 3's snapshot is taken by its TAIL's last launch: a fast device may have finished it by
+    # the time after_forward reads the FIFO, which then reports it at once, as step 3's
+    assert {r["step"] for r in s.records if r["type"] == "violation"} <= {3}
     memory.context_synchronize(0)
     s.canary.poll(driver.PER_THREAD_STREAM)
     found = [r for r in s.records if r["type"] == "violation"]
