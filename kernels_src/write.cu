@@ -280,14 +280,61 @@ __device__ __forceinline__ long long kvc_block_sum(long long v, long long* warp_
   return total;
 }
 
+// Request r's tokens [start, end), at most a warp's, stamped by one warp (the fold's halves, a warp
+// each, side by side): what kvc_write_request stores and records, byte for byte. Lane l holds
+// entry start + l; every lane runs the chain over the request's entries (their values shuffled
+// across), keeping the value its own entry stores; an earlier occurrence of a slot repeated in the
+// request stores nothing (kvc_write_store's rule). Every lane of the warp must call it.
+__device__ __forceinline__ unsigned kvc_write_warp(const KvcWriteParams& p, long long r, long long start,
+                                                   long long end, long long seed, bool has_expected,
+                                                   bool assert_flag) {
+  const int lane = threadIdx.x & 31, n = (int)(end - start);
+  if (seed > KVC_SEED_INVALID && seed <= KVC_SEED_INVALID + KVC_BATCH_FIELD_MAX) return 0;  // rejected
+  uint64_t running = kvc_sm(KVC_ANCHOR);
+  long long running_pos = 0;
+  bool pos_assert = false;
+  if (seed >= p.num_slots || seed < KVC_CHAIN_HEAD) {  // a seed slot outside the buffer: chain head
+    if (lane == 0) kvc_record(p, r, seed, KVC_NO_POSITION, 0, KVC_NO_EXPECTED_TOKEN, 0, 0, KVC_SLOT_OUT_OF_RANGE);
+  } else if (seed >= 0) {
+    pos_assert = assert_flag;
+    running = kvc_slot_hash(p, seed);
+    running_pos = kvc_slot(p, seed)[KVC_FIELD_POSITION];
+  }
+  const bool in = lane < n;
+  const long long i = start + lane;
+  const long long slot = in ? p.out_cache_loc[i] : KVC_SKIP_SLOT;
+  const long long token = in ? p.input_ids[i] : 0, position = in ? p.positions[i] : 0;
+  const uint64_t rkv = kvc_fingerprint_lanes(p, slot, slot >= 0 && slot < p.num_slots);  // every lane
+  uint64_t chain = 0;
+  long long prev_position = 0;
+  bool repeated = false;
+  for (int j = 0; j < n; ++j) {  // the same steps in every lane
+    const long long sj = __shfl_sync(KVC_FULL_MASK, slot, j);
+    const long long tj = __shfl_sync(KVC_FULL_MASK, token, j), pj = __shfl_sync(KVC_FULL_MASK, position, j);
+    if (lane == j) {
+      chain = running;
+      prev_position = running_pos;
+    }
+    repeated |= j > lane && sj == slot;
+    const bool stamp = sj >= 0 && sj < p.num_slots;
+    const uint64_t next = kvc_mix3(running, (uint64_t)tj, (uint64_t)pj);
+    running = stamp ? next : running;
+    running_pos = stamp ? pj : running_pos;
+  }
+  if (!in) return 0;
+  return kvc_write_entry(p, r, i, slot, token, position, chain, prev_position, rkv, has_expected, pos_assert,
+                         !repeated);
+}
+
 // HEAD's first launch of a small step (abi.FOLD_MAX_BATCH, FOLD_MAX_TOKENS): kvc_prepare and both
 // halves' writes in one launch, so a decode step spends no launch on its plan. Block b takes
 // requests b, b + gridDim.x, ...: for each it sums the entries and tokens of the requests before it
 // (carried from its previous request), clears the request's verdict word when the build starts the
 // step (§5.7), checks the request as kvc_prepare does (its rows, its seed) and stores its plan
-// entries, then stamps its tokens into the K half and then the V half as kvc_write would from that
-// plan. Every row this launch attributes to request r comes from r's block, after that clear; the
-// cells past the batch are cleared by any block (no row names them). The block of the last request
+// entries, then stamps its tokens into both halves as kvc_write would from that plan: a request of at
+// most 32 tokens by warps 0 (K) and 1 (V) side by side, a longer one by the whole block, K then V.
+// Every row this launch attributes to request r comes from r's block, after that clear; the cells
+// past the batch are cleared by any block (no row names them). The block of the last request
 // (block 0 of an empty batch) also runs kvc_prepare's whole-batch part. The verify launched next
 // reads the plan this launch stored.
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS)
@@ -333,13 +380,23 @@ kvc_prepare_write_pair(const __grid_constant__ KvcPrepareWritePair p) {
     }
     __syncthreads();
     const long long seed = request_seed;
+    if (x.tokens <= 32) {  // a decode-sized request: warp h stamps half h, the halves side by side
+      const int h = threadIdx.x >> 5;
+      if (h < KVC_HALVES && r < p.half[h].req_capacity) {  // as kvc_write clamps its request count
+        const KvcWriteParams& w = p.half[h];
+        const long long start = kvc_clamp(tokens_before, 0, w.num_tokens);
+        const long long end = kvc_clamp(tokens_before + x.tokens, start, w.num_tokens);
+        stamped[h] += kvc_write_warp(w, r, start, end, seed, has_expected[h], asserts[h]);
+      }
+    } else {
 #pragma unroll
-    for (int h = 0; h < KVC_HALVES; ++h) {
-      const KvcWriteParams& w = p.half[h];
-      if (r >= w.req_capacity) continue;  // as kvc_write clamps its request count
-      const long long start = kvc_clamp(tokens_before, 0, w.num_tokens);
-      const long long end = kvc_clamp(tokens_before + x.tokens, start, w.num_tokens);
-      stamped[h] += kvc_write_request(w, sh, r, start, end, seed, has_expected[h], asserts[h]);
+      for (int h = 0; h < KVC_HALVES; ++h) {
+        const KvcWriteParams& w = p.half[h];
+        if (r >= w.req_capacity) continue;  // as kvc_write clamps its request count
+        const long long start = kvc_clamp(tokens_before, 0, w.num_tokens);
+        const long long end = kvc_clamp(tokens_before + x.tokens, start, w.num_tokens);
+        stamped[h] += kvc_write_request(w, sh, r, start, end, seed, has_expected[h], asserts[h]);
+      }
     }
     if (r == q.batch_size - 1) kvc_prepare_finish(q, entries_before + x.n, tokens_before + x.tokens);
   }

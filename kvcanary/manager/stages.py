@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 from .. import abi
 from ..errors import ValidationError
 from ..ops.batch import BATCH_FIELD_NAMES, Batch
+from ..ops import backends
 from ..ops.bind import bind_build_plan, bind_fused_verify, bind_verify, bind_write
 from ..ops.packing import PackCache, arg_keys
 from .assembly import STAGES, Key
@@ -38,9 +39,8 @@ class StageLaunches:
         self.backend, self.fused, self.check_expected_token = parts.backend, parts.config.fused, \
             parts.config.check_expected_token
         self.packed = {st: PackCache(LAYOUTS_KEPT) for st in STAGES}  # layout key -> launches, per stage
-        # HEAD as captured into a CUDA graph: the plan build kept apart from the writes. Folding it
-        # into them (backends' prepare_head) saves a launch's host time but costs GPU time (the
-        # halves then stamp one after the other), and a replayed graph spends no host time per launch
+        # HEAD as captured into a CUDA graph when captures keep the plan build apart from the writes
+        # (KVCANARY_FOLD=eager: backends.FOLD_CAPTURED false)
         self.packed_captured = PackCache(LAYOUTS_KEPT)
         self.held = {st: None for st in STAGES}  # the last step's batch fields, per stage
         self.hot: dict[tuple, _Hot | None] = {(st, c): None for st in STAGES for c in (False, True)}
@@ -68,10 +68,10 @@ class StageLaunches:
         key, ptrs, fixed = arg_keys(fields)
         self.hot[which] = None
         self.held[stage] = fields  # the last step's arrays stay alive until the next step of the stage
-        fold = not captured
+        fold = not captured or backends.FOLD_CAPTURED
         if key is None:  # an array that cannot be keyed cheaply: validated and packed every step
             return self.pack(batch, stage, stream, fold)
-        cache = self.packed_captured if captured and stage == "HEAD" else self.packed[stage]
+        cache = self.packed_captured if captured and not fold and stage == "HEAD" else self.packed[stage]
         entry = cache.get(key, ptrs)
         if entry is None:
             launches = self.pack(batch, stage, stream, fold)

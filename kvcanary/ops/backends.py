@@ -24,9 +24,10 @@ from . import packing
 from .checks import checked
 from .records import host_slots
 
-# HEAD's plan build folded into its first launch at small steps (runtime.launch.folded); "0" keeps them
-# apart (an A/B of the fold, docs/performance.md)
-FOLD = os.environ.get("KVCANARY_FOLD", "1") != "0"
+# HEAD's plan build folded into its first launch at small steps (runtime.launch.folded): "1" in eager
+# steps and graph captures, "eager" in eager steps only, "0" never (the A/B of docs/performance.md)
+_FOLD = os.environ.get("KVCANARY_FOLD", "1")
+FOLD, FOLD_CAPTURED = _FOLD != "0", _FOLD == "1"
 SWEEP_ROWS = ("slot", "expected_position", "prev_slot", "expected_token")  # a sweep plan's entry arrays, staged
 
 
