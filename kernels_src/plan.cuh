@@ -32,20 +32,30 @@ __device__ __forceinline__ long long kvc_block_scan(long long v, long long* warp
 
 // Request r's WritePlan seed (§8): its predecessor slot when it has a cached prefix and new tokens,
 // KVC_SEED_INVALID + field for a request the builder rejected (the write skips its tokens), else
-// KVC_CHAIN_HEAD. Reports what it rejects.
-__device__ __forceinline__ long long kvc_prepare_request(const KvcPrepareParams& p, long long r, const KvcRequest& q) {
-  if (q.field != 0) {
-    kvc_record_batch(p, KVC_NO_SLOT, r, q.field, q.value, q.bound);
-    return KVC_SEED_INVALID + q.field;
-  }
-  if (q.row == 0 && r + 1 < p.batch_size) {
-    const long long next = p.req_pool_indices[r + 1];
-    if (next != 0) kvc_record_batch(p, KVC_NO_SLOT, r, KVC_BATCH_PADDING_ORDER, 0, next);
-  }
+// KVC_CHAIN_HEAD. Reads only: kvc_prepare_request also reports.
+template <class B>
+__device__ __forceinline__ long long kvc_request_seed(const B& p, const KvcRequest& q) {
+  if (q.field != 0) return KVC_SEED_INVALID + q.field;
   if (!q.ok || q.prefix == 0 || q.tokens == 0) return KVC_CHAIN_HEAD;
   const long long seed = kvc_map_slot(p, kvc_rtt(p, q.row, q.prefix - 1));
   // a map value that collides with the rejection markers is out of range, as the write reports
   return (seed > KVC_SEED_INVALID && seed <= KVC_SEED_INVALID + KVC_BATCH_FIELD_MAX) ? KVC_SWA_UNMAPPED : seed;
+}
+
+// The rows of request r the plan builder reports: a rejected value, padding before a real row.
+__device__ __forceinline__ void kvc_report_request(const KvcPrepareParams& p, long long r, const KvcRequest& q) {
+  if (q.field != 0) {
+    kvc_record_batch(p, KVC_NO_SLOT, r, q.field, q.value, q.bound);
+  } else if (q.row == 0 && r + 1 < p.batch_size) {
+    const long long next = p.req_pool_indices[r + 1];
+    if (next != 0) kvc_record_batch(p, KVC_NO_SLOT, r, KVC_BATCH_PADDING_ORDER, 0, next);
+  }
+}
+
+// Request r's seed (kvc_request_seed), its rows reported (kvc_report_request).
+__device__ __forceinline__ long long kvc_prepare_request(const KvcPrepareParams& p, long long r, const KvcRequest& q) {
+  kvc_report_request(p, r, q);
+  return kvc_request_seed(p, q);
 }
 
 // kvc_prepare's whole-batch part once the batch's entry and token totals are known (every thread of

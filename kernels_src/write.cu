@@ -280,50 +280,81 @@ __device__ __forceinline__ long long kvc_block_sum(long long v, long long* warp_
   return total;
 }
 
-// Request r's tokens [start, end), at most a warp's, stamped by one warp (the fold's halves, a warp
-// each, side by side): what kvc_write_request stores and records, byte for byte. Lane l holds
-// entry start + l; every lane runs the chain over the request's entries (their values shuffled
-// across), keeping the value its own entry stores; an earlier occurrence of a slot repeated in the
-// request stores nothing (kvc_write_store's rule). Every lane of the warp must call it.
-__device__ __forceinline__ unsigned kvc_write_warp(const KvcWriteParams& p, long long r, long long start,
-                                                   long long end, long long seed, bool has_expected,
-                                                   bool assert_flag) {
+// One warp's share of request r's tokens [start, end), at most a warp's (the fold's halves, a warp
+// each, side by side), in two phases so the fold can clear the request's verdict between them:
+// kvc_warp_load reads and chains (lane l holds entry start + l; every lane runs the chain over the
+// request's entries, their values shuffled across, keeping the value its own entry stores; an
+// earlier occurrence of a slot repeated in the request stores nothing: kvc_write_store's rule),
+// kvc_warp_commit checks, reports and stores what kvc_write_request would, byte for byte. Every
+// lane of the warp calls both.
+struct KvcWarpEntry {
+  long long slot, token, position, prev_position;
+  uint64_t rkv, chain;
+  bool repeated, pos_assert;
+};
+
+__device__ __forceinline__ KvcWarpEntry kvc_warp_load(const KvcWriteParams& p, long long start, long long end,
+                                                      long long seed, bool assert_flag) {
   const int lane = threadIdx.x & 31, n = (int)(end - start);
-  if (seed > KVC_SEED_INVALID && seed <= KVC_SEED_INVALID + KVC_BATCH_FIELD_MAX) return 0;  // rejected
+  KvcWarpEntry e;
   uint64_t running = kvc_sm(KVC_ANCHOR);
   long long running_pos = 0;
-  bool pos_assert = false;
-  if (seed >= p.num_slots || seed < KVC_CHAIN_HEAD) {  // a seed slot outside the buffer: chain head
-    if (lane == 0) kvc_record(p, r, seed, KVC_NO_POSITION, 0, KVC_NO_EXPECTED_TOKEN, 0, 0, KVC_SLOT_OUT_OF_RANGE);
-  } else if (seed >= 0) {
-    pos_assert = assert_flag;
+  e.pos_assert = false;
+  if (seed >= 0 && seed < p.num_slots) {
+    e.pos_assert = assert_flag;
     running = kvc_slot_hash(p, seed);
     running_pos = kvc_slot(p, seed)[KVC_FIELD_POSITION];
   }
   const bool in = lane < n;
   const long long i = start + lane;
-  const long long slot = in ? p.out_cache_loc[i] : KVC_SKIP_SLOT;
-  const long long token = in ? p.input_ids[i] : 0, position = in ? p.positions[i] : 0;
-  const uint64_t rkv = kvc_fingerprint_lanes(p, slot, slot >= 0 && slot < p.num_slots);  // every lane
-  uint64_t chain = 0;
-  long long prev_position = 0;
-  bool repeated = false;
+  e.slot = in ? p.out_cache_loc[i] : KVC_SKIP_SLOT;
+  e.token = in ? p.input_ids[i] : 0;
+  e.position = in ? p.positions[i] : 0;
+  e.rkv = kvc_fingerprint_lanes(p, e.slot, e.slot >= 0 && e.slot < p.num_slots);  // every lane
+  e.chain = 0;
+  e.prev_position = 0;
+  e.repeated = false;
   for (int j = 0; j < n; ++j) {  // the same steps in every lane
-    const long long sj = __shfl_sync(KVC_FULL_MASK, slot, j);
-    const long long tj = __shfl_sync(KVC_FULL_MASK, token, j), pj = __shfl_sync(KVC_FULL_MASK, position, j);
+    const long long sj = __shfl_sync(KVC_FULL_MASK, e.slot, j);
+    const long long tj = __shfl_sync(KVC_FULL_MASK, e.token, j), pj = __shfl_sync(KVC_FULL_MASK, e.position, j);
     if (lane == j) {
-      chain = running;
-      prev_position = running_pos;
+      e.chain = running;
+      e.prev_position = running_pos;
     }
-    repeated |= j > lane && sj == slot;
+    e.repeated |= j > lane && sj == e.slot;
     const bool stamp = sj >= 0 && sj < p.num_slots;
     const uint64_t next = kvc_mix3(running, (uint64_t)tj, (uint64_t)pj);
     running = stamp ? next : running;
     running_pos = stamp ? pj : running_pos;
   }
-  if (!in) return 0;
-  return kvc_write_entry(p, r, i, slot, token, position, chain, prev_position, rkv, has_expected, pos_assert,
-                         !repeated);
+  return e;
+}
+
+__device__ __forceinline__ unsigned kvc_warp_commit(const KvcWriteParams& p, long long r, long long start,
+                                                    long long end, long long seed, const KvcWarpEntry& e,
+                                                    bool has_expected) {
+  const int lane = threadIdx.x & 31;
+  if (seed > KVC_SEED_INVALID && seed <= KVC_SEED_INVALID + KVC_BATCH_FIELD_MAX) return 0;  // rejected
+  if ((seed >= p.num_slots || seed < KVC_CHAIN_HEAD) && lane == 0)  // a seed slot outside the buffer
+    kvc_record(p, r, seed, KVC_NO_POSITION, 0, KVC_NO_EXPECTED_TOKEN, 0, 0, KVC_SLOT_OUT_OF_RANGE);
+  if (lane >= end - start) return 0;
+  return kvc_write_entry(p, r, start + lane, e.slot, e.token, e.position, e.chain, e.prev_position, e.rkv,
+                         has_expected, e.pos_assert, !e.repeated);
+}
+
+// Both halves of request r stamped by the whole block, K then V (a request past a warp's tokens).
+__device__ __forceinline__ void kvc_fold_block(const KvcPrepareWritePair& p, long long r, long long tokens_before,
+                                               long long tokens, long long seed, const bool* has_expected,
+                                               const bool* asserts, unsigned* stamped) {
+  __shared__ KvcWriteShared sh;
+#pragma unroll
+  for (int h = 0; h < KVC_HALVES; ++h) {
+    const KvcWriteParams& w = p.half[h];
+    if (r >= w.req_capacity) continue;  // as kvc_write clamps its request count
+    const long long start = kvc_clamp(tokens_before, 0, w.num_tokens);
+    const long long end = kvc_clamp(tokens_before + tokens, start, w.num_tokens);
+    stamped[h] += kvc_write_request(w, sh, r, start, end, seed, has_expected[h], asserts[h]);
+  }
 }
 
 // HEAD's first launch of a small step (abi.FOLD_MAX_BATCH, FOLD_MAX_TOKENS): kvc_prepare and both
@@ -337,10 +368,10 @@ __device__ __forceinline__ unsigned kvc_write_warp(const KvcWriteParams& p, long
 // past the batch are cleared by any block (no row names them). The block of the last request
 // (block 0 of an empty batch) also runs kvc_prepare's whole-batch part. The verify launched next
 // reads the plan this launch stored.
-extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS)
-kvc_prepare_write_pair(const __grid_constant__ KvcPrepareWritePair p) {
-  KVC_AFTER_PREVIOUS_GRID();
-  __shared__ KvcWriteShared sh;
+// kWarps: every request of the step has at most a warp's new tokens (the host launches this variant
+// when the step has at most 32): no block path, so no shared write stage.
+template <bool kWarps>
+__device__ __forceinline__ void kvc_prepare_write(const KvcPrepareWritePair& p) {
   __shared__ long long warp_totals[32];
   __shared__ long long request_seed;
   const KvcPrepareParams& q = p.plan[0];
@@ -358,6 +389,7 @@ kvc_prepare_write_pair(const __grid_constant__ KvcPrepareWritePair p) {
     asserts[h] = kvc_write_asserts(p.half[h]);
     stamped[h] = 0;
   }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   long long entries_before = 0, tokens_before = 0, counted = 0;  // sums over requests [0, counted)
   for (long long r = blockIdx.x; r < q.batch_size; r += gridDim.x) {
     long long entries = 0, tokens = 0;
@@ -370,37 +402,56 @@ kvc_prepare_write_pair(const __grid_constant__ KvcPrepareWritePair p) {
     tokens_before += kvc_block_sum(tokens, warp_totals);
     counted = r;
     const KvcRequest x = kvc_request(q, r);
-    if (threadIdx.x == 0) {
-      if (reset) kvc_verdict_clear(q, r);
-      const long long seed = kvc_prepare_request(q, r, x);
-      q.entry_offsets[r + 1] = entries_before + x.n;
-      q.write_offsets[r + 1] = tokens_before + x.tokens;
-      q.write_seed[r] = seed;
-      request_seed = seed;
-    }
-    __syncthreads();
-    const long long seed = request_seed;
-    if (x.tokens <= 32) {  // a decode-sized request: warp h stamps half h, the halves side by side
-      const int h = threadIdx.x >> 5;
-      if (h < KVC_HALVES && r < p.half[h].req_capacity) {  // as kvc_write clamps its request count
-        const KvcWriteParams& w = p.half[h];
-        const long long start = kvc_clamp(tokens_before, 0, w.num_tokens);
-        const long long end = kvc_clamp(tokens_before + x.tokens, start, w.num_tokens);
-        stamped[h] += kvc_write_warp(w, r, start, end, seed, has_expected[h], asserts[h]);
+    if (kWarps || x.tokens <= 32) {
+      // Warps 0 (K) and 1 (V) read and chain their half while warp 2 clears the request's verdict;
+      // after the barrier warp 2 reports the request and stores its plan entries, warps 0 and 1
+      // check, report and store their tokens: every row of the request lands after the clear.
+      const long long seed = kvc_request_seed(q, x);
+      KvcWarpEntry e;
+      long long start = 0, end = 0;
+      const bool writes = warp < KVC_HALVES && r < p.half[warp].req_capacity;  // as kvc_write clamps
+      if (writes) {
+        const KvcWriteParams& w = p.half[warp];
+        start = kvc_clamp(tokens_before, 0, w.num_tokens);
+        end = kvc_clamp(tokens_before + x.tokens, start, w.num_tokens);
+        e = kvc_warp_load(w, start, end, seed, asserts[warp]);
+      }
+      if (warp == KVC_HALVES && lane == 0 && reset) kvc_verdict_clear(q, r);
+      __syncthreads();
+      if (writes) stamped[warp] += kvc_warp_commit(p.half[warp], r, start, end, seed, e, has_expected[warp]);
+      if (warp == KVC_HALVES && lane == 0) {
+        kvc_report_request(q, r, x);
+        q.entry_offsets[r + 1] = entries_before + x.n;
+        q.write_offsets[r + 1] = tokens_before + x.tokens;
+        q.write_seed[r] = seed;
       }
     } else {
-#pragma unroll
-      for (int h = 0; h < KVC_HALVES; ++h) {
-        const KvcWriteParams& w = p.half[h];
-        if (r >= w.req_capacity) continue;  // as kvc_write clamps its request count
-        const long long start = kvc_clamp(tokens_before, 0, w.num_tokens);
-        const long long end = kvc_clamp(tokens_before + x.tokens, start, w.num_tokens);
-        stamped[h] += kvc_write_request(w, sh, r, start, end, seed, has_expected[h], asserts[h]);
+      if (threadIdx.x == 0) {
+        if (reset) kvc_verdict_clear(q, r);
+        const long long seed = kvc_prepare_request(q, r, x);
+        q.entry_offsets[r + 1] = entries_before + x.n;
+        q.write_offsets[r + 1] = tokens_before + x.tokens;
+        q.write_seed[r] = seed;
+        request_seed = seed;
       }
+      __syncthreads();
+      if constexpr (!kWarps) kvc_fold_block(p, r, tokens_before, x.tokens, request_seed, has_expected, asserts, stamped);
     }
     if (r == q.batch_size - 1) kvc_prepare_finish(q, entries_before + x.n, tokens_before + x.tokens);
   }
   if (q.batch_size <= 0 && blockIdx.x == 0) kvc_prepare_finish(q, 0, 0);
 #pragma unroll
   for (int h = 0; h < KVC_HALVES; ++h) kvc_write_count(p.half[h], stamped[h]);
+}
+
+extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS)
+kvc_prepare_write_pair(const __grid_constant__ KvcPrepareWritePair p) {
+  KVC_AFTER_PREVIOUS_GRID();
+  kvc_prepare_write<false>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS)
+kvc_prepare_write_pair_warps(const __grid_constant__ KvcPrepareWritePair p) {
+  KVC_AFTER_PREVIOUS_GRID();
+  kvc_prepare_write<true>(p);
 }

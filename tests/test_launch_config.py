@@ -106,7 +106,7 @@ def test_manager_launches_ask_for_pdl_where_wanted(monkeypatch, fake, env, major
     n0 = len(fake.pdl)
     step(canary, batch, s)
     # the eager step's build folded into HEAD's writes, the snapshot into TAIL's last verify
-    assert fake.launched[-4:] == ["kvc_prepare_write_pair", "kvc_fused_verify_pair", "kvc_write_pair",
+    assert fake.launched[-4:] == ["kvc_prepare_write_pair_warps", "kvc_fused_verify_pair", "kvc_write_pair",
                                   "kvc_fused_verify_pair"]
     assert fake.pdl[n0:] == [want] * 4
     fake.run()

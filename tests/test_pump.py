@@ -153,11 +153,11 @@ def test_a_k_and_v_group_steps_in_paired_launches(fake, fused):
     step(canary, batch, s)
     verify = ["kvc_fused_verify_pair"] if fused else ["kvc_verify", "kvc_verify"]  # no plan verify pair
     # a small fused step folds its plan build into HEAD's writes; the plan design expands a plan
-    head = ["kvc_prepare_write_pair", *verify] if fused else ["kvc_prepare", "kvc_expand", "kvc_write_pair", *verify]
+    head = ["kvc_prepare_write_pair_warps", *verify] if fused else ["kvc_prepare", "kvc_expand", "kvc_write_pair", *verify]
     assert fake.launched == [*head, "kvc_write_pair", *verify]
     assert canary.launches_per_step() == len(fake.launched)
-    writes = [(abi.PrepareWritePair if name == "kvc_prepare_write_pair" else abi.WritePair).from_buffer_copy(q)
-              for name, _, _, _, q in fake.pending[s] if name in ("kvc_write_pair", "kvc_prepare_write_pair")]
+    writes = [(abi.PrepareWritePair if name.startswith("kvc_prepare_write") else abi.WritePair).from_buffer_copy(q)
+              for name, _, _, _, q in fake.pending[s] if name in ("kvc_write_pair", "kvc_prepare_write_pair_warps")]
     head_k = canary.ctx[("HEAD", "FULL", "K", "write")].buffer.array.ptr
     assert [[h.chain_source for h in w.half] for w in writes[-2:]] == [[0, 0], [head_k, head_k]]
     assert [[h.tag for h in w.half] for w in writes[-2:]] == [

@@ -70,7 +70,9 @@ def folded(plan: Launch, writes: Launch) -> Launch | None:
     p.plan[0] = q
     p.half[0], p.half[1] = writes.params.half[0], writes.params.half[1]
     grid = max(1, min(writes.grid, q.batch_size))
-    return Launch(plan.rt, "kvc_prepare_write_pair", grid, abi.BLOCK_THREADS, p, plan.stream, (plan.keep, writes.keep))
+    # a step of at most a warp's new tokens: no request needs the block's path (nor its shared stage)
+    name = "kvc_prepare_write_pair_warps" if q.num_tokens <= abi.WARP_SIZE else "kvc_prepare_write_pair"
+    return Launch(plan.rt, name, grid, abi.BLOCK_THREADS, p, plan.stream, (plan.keep, writes.keep))
 
 
 def snapshot_target(launch: Launch):
