@@ -172,3 +172,29 @@ def test_manager_host_time(report, workloads, timer, bounds, shape, mode):
                bound_name=f"{n:.3g} launches per step (counted by the manager, pump snapshot "
                           f"included; {canary.launches_per_step()} nominal) x raw launch floor",
                target=HOST_TARGET if shape.startswith("decode") else None, launches_per_step=n)
+
+
+@gpu_timed
+@pytest.mark.parametrize("what", ["graph", "eager"])
+@pytest.mark.parametrize("shape", ["decode-bs1", "decode-bs8x1024", "decode-bs64"])
+def test_manager_step_fold(report, workloads, timer, monkeypatch, shape, what):
+    """Issue 29: HEAD's plan build folded into its writes (KVCANARY_FOLD=1) against the build apart
+    (the default), both manager steps timed in interleaved rounds of one run."""
+    torch = pytest.importorskip("torch")
+    from kvcanary.ops import backends
+    w = workloads.get(*STEP_SHAPES[shape])
+    steps = {}
+    for fold in (True, False):
+        monkeypatch.setattr(backends, "FOLD", fold)  # read when a layout is packed: first step, capture
+        monkeypatch.setattr(backends, "FOLD_CAPTURED", fold)
+        canary = make_manager(w, "identity", True)
+        steps[fold] = (graphed_step(torch, w, canary, timer) if what == "graph" else eager_step(w, canary), canary)
+        eager_step(w, canary)(timer.handle)  # packs the eager layout under this setting
+    head = [c.stages.packed["HEAD"].entries for _, c in steps.values()]
+    assert [next(reversed(e.values())).launches[0].name.startswith("kvc_prepare_write") for e in head] == [True, False]
+    report.gpu(steps[True][0])
+    t = timer.gpu_time_interleaved({"folded": steps[True][0], "apart": steps[False][0]})
+    check_clean(*(c for _, c in steps.values()))
+    report.row(f"manager step identity, K+V, {w.label}: plan build folded / apart, {what}", t["folded"], "s",
+               bound=t["apart"], bound_name="the build apart (KVCANARY_FOLD=0), interleaved rounds",
+               series=f"fold {what}", apart_s=t["apart"])

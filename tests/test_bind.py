@@ -105,7 +105,7 @@ def test_a_stage_pairs_its_halves_on_the_device_and_runs_them_in_order_on_the_ho
     s = fake.cuStreamCreate(0)[1]
     fake.launched.clear()
     dev.before_forward(batch, stream=s)
-    assert fake.launched == ["kvc_prepare_write_pair_warps", "kvc_fused_verify_pair"]  # the small step's build folded
+    assert fake.launched == ["kvc_prepare", "kvc_write_pair", "kvc_fused_verify_pair"]
     host = kc.KvCanary(group, hash_mode="none", max_batch=2, verify_capacity=64)
     _, _, hbatch = _state(None)
     host.before_forward(hbatch)

@@ -105,10 +105,10 @@ def test_manager_launches_ask_for_pdl_where_wanted(monkeypatch, fake, env, major
     step(canary, batch, s)
     n0 = len(fake.pdl)
     step(canary, batch, s)
-    # the eager step's build folded into HEAD's writes, the snapshot into TAIL's last verify
-    assert fake.launched[-4:] == ["kvc_prepare_write_pair_warps", "kvc_fused_verify_pair", "kvc_write_pair",
+    # the snapshot taken by TAIL's last verify
+    assert fake.launched[-5:] == ["kvc_prepare", "kvc_write_pair", "kvc_fused_verify_pair", "kvc_write_pair",
                                   "kvc_fused_verify_pair"]
-    assert fake.pdl[n0:] == [want] * 4
+    assert fake.pdl[n0:] == [want] * 5
     fake.run()
     canary.flush()
     canary.health_check()
@@ -127,7 +127,7 @@ def test_many_source_verifies_launch_plain_and_the_rest_with_pdl(fake):
     step(canary, batch, s)
     n0 = len(fake.pdl)
     step(canary, batch, s)
-    asked = dict(zip(fake.launched[-4:], fake.pdl[n0:]))
+    asked = dict(zip(fake.launched[-5:], fake.pdl[n0:]))
     assert "kvc_fused_verify_many_pair" in asked and asked.pop("kvc_fused_verify_many_pair") is False
     assert set(launch.PLAIN_KERNELS) <= set(abi.KERNELS)
     assert asked and all(asked.values()), asked

@@ -152,8 +152,7 @@ def test_a_k_and_v_group_steps_in_paired_launches(fake, fused):
     fake.launched.clear()
     step(canary, batch, s)
     verify = ["kvc_fused_verify_pair"] if fused else ["kvc_verify", "kvc_verify"]  # no plan verify pair
-    # a small fused step folds its plan build into HEAD's writes; the plan design expands a plan
-    head = ["kvc_prepare_write_pair_warps", *verify] if fused else ["kvc_prepare", "kvc_expand", "kvc_write_pair", *verify]
+    head = ["kvc_prepare", "kvc_write_pair", *verify] if fused else ["kvc_prepare", "kvc_expand", "kvc_write_pair", *verify]
     assert fake.launched == [*head, "kvc_write_pair", *verify]
     assert canary.launches_per_step() == len(fake.launched)
     writes = [(abi.PrepareWritePair if name.startswith("kvc_prepare_write") else abi.WritePair).from_buffer_copy(q)

@@ -25,8 +25,10 @@ from .checks import checked
 from .records import host_slots
 
 # HEAD's plan build folded into its first launch at small steps (runtime.launch.folded): "1" in eager
-# steps and graph captures, "eager" in eager steps only, "0" never (the A/B of docs/performance.md)
-_FOLD = os.environ.get("KVCANARY_FOLD", "1")
+# steps and graph captures, "eager" in eager steps only, "0" never. Off by default: on the H200 the
+# folded step measured 1.2 us faster at decode bs 8 but 5 us slower at bs 1 and 1.6 us at bs 64
+# (graph-replayed; docs/performance.md, "Launches per step")
+_FOLD = os.environ.get("KVCANARY_FOLD", "0")
 FOLD, FOLD_CAPTURED = _FOLD != "0", _FOLD == "1"
 SWEEP_ROWS = ("slot", "expected_position", "prev_slot", "expected_token")  # a sweep plan's entry arrays, staged
 

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 import kvcanary as kc
-from kvcanary import abi
 from kvcanary.ops import backends
 from tests.support.session import Session, host_buffers, violation_key
 from tests.test_manager import _flip_kv, _wrong_rtt
@@ -129,10 +128,11 @@ def test_hostile_batch_values_in_the_folded_build_equal_the_build_apart(monkeypa
     assert case in QUIET or len(got[True][0]) > 0  # the others break a rule the kernels report
 
 
-def test_the_fold_clears_the_last_steps_verdicts_in_and_past_the_new_batch():
+def test_the_fold_clears_the_last_steps_verdicts_in_and_past_the_new_batch(monkeypatch):
     """A step fails its last request (a row past req_to_token); the next step is clean: every verdict
     word is 0 again and the failed count 0 (docs/format.md §5.7: a step's words start clean), whether
     that request's block clears the word (the same batch size) or it lies past the new batch."""
+    monkeypatch.setattr(backends, "FOLD", True)
     canary = _canary(0)
     bad = _batch(0, [1, 2, 9], [0, 0, 0], [1, 1, 1], _rtt(), [100, 101, 102], [0, 0, 0], [8, 16, 40])
     same = _batch(0, [1, 2, 3], [0, 0, 0], [1, 1, 1], _rtt(), [100, 101, 102], [0, 0, 0], [8, 16, 24])
