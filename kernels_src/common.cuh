@@ -132,6 +132,8 @@ __device__ __noinline__ void kvc_record(const P& p, long long request, long long
 // Request r's verdict word cleared for a new step (§5.7) with one atomic, keeping failed_requests
 // the count of nonzero words: a word cleared from nonzero takes one off, as kvc_record adds one for
 // a word it makes nonzero. So a launch may clear a word while other blocks record other requests.
+// The count stays exact from any state in which it was (kvcanary's own arrays: zeroed at allocation,
+// reset together by kvc_prepare, otherwise changed only by these two atomics).
 template <class P>
 __device__ __forceinline__ void kvc_verdict_clear(const P& p, long long r) {
   if (p.verdicts == 0 || r < 0 || r >= p.verdict_len) return;

@@ -175,7 +175,7 @@ class CudaBackend:
         None when every FIFO slot is in flight; ``end.unclaim`` when the launch fails)."""
         captured = self.rt.capturing(stream)
         launches = stages.launches(batch, stage, stream, captured)
-        snap = None if end is None else snapshot_target(launches[-1])
+        snap = None if end is None or not launches else snapshot_target(launches[-1])
         claim = None
         if snap is not None:
             claim = None if captured else end.claim()
