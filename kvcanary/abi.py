@@ -494,8 +494,8 @@ FUSED_VERIFY_PAIR = StructDecl("KvcFusedVerifyPair", (_F("half", "struct:KvcFuse
 # halves' writes, which take their ranges and seeds from the plan this launch builds.
 PREPARE_WRITE_PAIR = StructDecl("KvcPrepareWritePair", (_F("plan", "struct:KvcPrepareParams"),
                                                         _F("half", "struct:KvcWriteParams", HALVES)))
-# The fold's limits: its blocks each sum the requests before theirs (O(batch) loads a block) and
-# stamp both halves one after the other (a request's serial chain twice), so only small steps fold.
+# The fold's limits: its blocks each sum the requests before theirs (O(batch) loads a block) and stamp
+# a request past a warp's tokens into both halves one after the other (its serial chain twice).
 FOLD_MAX_BATCH = 256
 FOLD_MAX_TOKENS = 256
 

@@ -185,8 +185,7 @@ def test_manager_step_fold(report, workloads, timer, monkeypatch, shape, what):
     w = workloads.get(*STEP_SHAPES[shape])
     steps = {}
     for fold in (True, False):
-        monkeypatch.setattr(backends, "FOLD", fold)  # read when a layout is packed: first step, capture
-        monkeypatch.setattr(backends, "FOLD_CAPTURED", fold)
+        monkeypatch.setattr(backends, "FOLD", fold)  # read when a layout is packed: its first step
         canary = make_manager(w, "identity", True)
         steps[fold] = (graphed_step(torch, w, canary, timer) if what == "graph" else eager_step(w, canary), canary)
         eager_step(w, canary)(timer.handle)  # packs the eager layout under this setting

@@ -107,7 +107,6 @@ class KvCanary:
                                       f"before_forward since step {self.monitor.step}'s. Fix: call "
                                       f"before_forward(batch) before the model's forward, after_forward(batch) after")
             self._head_open = False
-            self.monitor.ended = None
             s = self._stage(batch, 1, stream, end=self.monitor)  # its last launch takes the snapshot
             if s is not False:  # False: captured
                 self.monitor.report(s, advance=True)

@@ -11,7 +11,6 @@ from typing import Any, NamedTuple
 from .. import abi
 from ..errors import ValidationError
 from ..ops.batch import BATCH_FIELD_NAMES, Batch
-from ..ops import backends
 from ..ops.bind import bind_build_plan, bind_fused_verify, bind_verify, bind_write
 from ..ops.packing import PackCache, arg_keys
 from .assembly import STAGES, Key
@@ -39,11 +38,8 @@ class StageLaunches:
         self.backend, self.fused, self.check_expected_token = parts.backend, parts.config.fused, \
             parts.config.check_expected_token
         self.packed = {st: PackCache(LAYOUTS_KEPT) for st in STAGES}  # layout key -> launches, per stage
-        # HEAD as captured into a CUDA graph when captures keep the plan build apart from the writes
-        # (KVCANARY_FOLD=eager: backends.FOLD_CAPTURED false)
-        self.packed_captured = PackCache(LAYOUTS_KEPT)
         self.held = {st: None for st in STAGES}  # the last step's batch fields, per stage
-        self.hot: dict[tuple, _Hot | None] = {(st, c): None for st in STAGES for c in (False, True)}
+        self.hot: dict[str, _Hot | None] = {st: None for st in STAGES}
         self.launched = 0
 
     def run(self, batch: Batch, stage: str, stream, end=None) -> bool:
@@ -52,39 +48,35 @@ class StageLaunches:
         the step ends here and its last launch takes the pump's snapshot (backends' ``run_stage``)."""
         return self.backend.run_stage(self, batch, stage, stream, end)
 
-    def launches(self, batch: Batch, stage: str, stream, captured: bool = False) -> list:
+    def launches(self, batch: Batch, stage: str, stream) -> list:
         """The stage's packed launches for this batch: validated and packed once per array layout
         (shapes, strides, dtypes, devices, scalars, which fields alias: :mod:`kvcanary.ops.packing`), then
         replayed with the current arrays' addresses patched into their params (an engine hands
         over new tensors every step). Keyed per call: a tensor may change in place (``set_``,
         ``resize_``); only a step of the very objects of the last one, all of them arrays kvcanary
-        made (DeviceArray, ArrayView: fixed for life) or numbers, replays without a key.
-        ``captured``: the stream is capturing a graph (HEAD keeps its plan build apart then)."""
+        made (DeviceArray, ArrayView: fixed for life) or numbers, replays without a key."""
         fields = tuple(batch.__dict__.values())
-        which = (stage, captured)
-        hot = self.hot[which]
+        hot = self.hot[stage]
         if hot is not None and len(fields) == len(hot.fields) and all(map(is_, fields, hot.fields)):
             return hot.packed.launches  # the very immutable arrays of the stage's last step
         key, ptrs, fixed = arg_keys(fields)
-        self.hot[which] = None
+        self.hot[stage] = None
         self.held[stage] = fields  # the last step's arrays stay alive until the next step of the stage
-        fold = not captured or backends.FOLD_CAPTURED
         if key is None:  # an array that cannot be keyed cheaply: validated and packed every step
-            return self.pack(batch, stage, stream, fold)
-        cache = self.packed_captured if captured and not fold and stage == "HEAD" else self.packed[stage]
+            return self.pack(batch, stage, stream)
+        cache = self.packed[stage]
         entry = cache.get(key, ptrs)
         if entry is None:
-            launches = self.pack(batch, stage, stream, fold)
+            launches = self.pack(batch, stage, stream)
             entry = cache.put(key, launches, fields, ptrs, BATCH_FIELD_NAMES)
         if fixed:  # every field IMMUTABLE: identity proves their layout and address
-            self.hot[which] = _Hot(fields, entry)
+            self.hot[stage] = _Hot(fields, entry)
         return entry.launches
 
-    def pack(self, batch: Batch, stage: str, stream, fold: bool = True) -> list:
+    def pack(self, batch: Batch, stage: str, stream) -> list:
         """The launches of one stage for this batch's array layout (validated here, once per
         layout). They hold no reference to the batch's arrays: a later batch with the same layout
-        replays them on its own arrays (same addresses). ``fold``: a device may fold a small
-        step's plan build into HEAD's first launch."""
+        replays them on its own arrays (same addresses)."""
         out = []
         for g, grp in self.groups.items():
             plan = self.plans[g]
@@ -116,9 +108,9 @@ class StageLaunches:
                 else:
                     verify = bind_verify(vctx, plan, check_expected_token=self.check_expected_token, per_request=True)
                 bound.append((write, verify))
-            # a device folds a small step's build into HEAD's first launch (backends' prepare_head)
+            # a device may fold a small step's build into HEAD's first launch (backends' prepare_head)
             out += self.backend.prepare_halves(bound, stream) if build is None else \
-                self.backend.prepare_head(build, bound, stream, fold)
+                self.backend.prepare_head(build, bound, stream)
         return out
 
     def per_step(self) -> int:

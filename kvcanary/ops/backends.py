@@ -24,12 +24,10 @@ from . import packing
 from .checks import checked
 from .records import host_slots
 
-# HEAD's plan build folded into its first launch at small steps (runtime.launch.folded): "1" in eager
-# steps and graph captures, "eager" in eager steps only, "0" never. Off by default: on the H200 the
-# folded step measured 1.2 us faster at decode bs 8 but 5 us slower at bs 1 and 1.6 us at bs 64
-# (graph-replayed; docs/performance.md, "Launches per step")
-_FOLD = os.environ.get("KVCANARY_FOLD", "0")
-FOLD, FOLD_CAPTURED = _FOLD != "0", _FOLD == "1"
+# KVCANARY_FOLD=1: HEAD's plan build folded into its first launch at small steps (runtime.launch.folded).
+# Off by default: on the H200 the folded step measured 1.2 us faster at decode bs 8 but 5 us slower at
+# bs 1 and 1.6 us at bs 64 (graph-replayed; docs/performance.md, "Folding the plan build")
+FOLD = os.environ.get("KVCANARY_FOLD", "0") == "1"
 SWEEP_ROWS = ("slot", "expected_position", "prev_slot", "expected_token")  # a sweep plan's entry arrays, staged
 
 
@@ -50,7 +48,7 @@ class HostBackend:
         """A group's (write, verify) of each half, run on the reference half after half."""
         return self.prepare([op for half in bound for op in half], stream)
 
-    def prepare_head(self, build, bound, stream, fold: bool = True) -> list:
+    def prepare_head(self, build, bound, stream) -> list:
         """A group's HEAD: its plan build, then its halves (:meth:`prepare_halves`)."""
         return self.prepare(build, stream) + self.prepare_halves(bound, stream)
 
@@ -151,12 +149,12 @@ class CudaBackend:
             out += launches if both is None else [both]
         return out
 
-    def prepare_head(self, build, bound, stream, fold: bool = True) -> list[Launch]:
+    def prepare_head(self, build, bound, stream) -> list[Launch]:
         """A group's HEAD packed: its plan build and its halves (:meth:`prepare_halves`), the build
-        folded into the paired writes when ``fold`` and the step is small enough
-        (:func:`~kvcanary.runtime.launch.folded`; KVCANARY_FOLD=0 keeps them apart)."""
+        folded into the paired writes with KVCANARY_FOLD=1 where the step is small enough
+        (:func:`~kvcanary.runtime.launch.folded`)."""
         plan, rest = self.prepare(build, stream), self.prepare_halves(bound, stream)
-        if fold and FOLD and len(plan) == 1 and rest:
+        if FOLD and len(plan) == 1 and rest:
             one = folded(plan[0], rest[0])
             if one is not None:
                 return [one, *rest[1:]]
@@ -174,7 +172,7 @@ class CudaBackend:
         the pump's snapshot when the stream is not capturing (``end.claim()`` gives its params, or
         None when every FIFO slot is in flight; ``end.unclaim`` when the launch fails)."""
         captured = self.rt.capturing(stream)
-        launches = stages.launches(batch, stage, stream, captured)
+        launches = stages.launches(batch, stage, stream)
         snap = None if end is None or not launches else snapshot_target(launches[-1])
         claim = None
         if snap is not None:
