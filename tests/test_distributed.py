@@ -133,13 +133,14 @@ SCENARIOS = {
 }
 
 
-def _worker(rank: int, world: int, init_file: str, out_file: str) -> None:
+def run_scenarios(rank: int, scenarios: dict, backend: str, timeout_s: int, out_file: str) -> None:
+    """A rank's side of a distributed tier: each scenario on a group of its own (all created first,
+    in the same order on every rank), its result or its traceback written to ``out_file`` for the
+    parent (:func:`collect`); then the process group is destroyed."""
     import torch.distributed as dist
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
-    groups = {name: dist.new_group(backend="gloo", timeout=timedelta(seconds=30)) for name in SCENARIOS}
+    groups = {name: dist.new_group(backend=backend, timeout=timedelta(seconds=timeout_s)) for name in scenarios}
     results = {}
-    for name, run in SCENARIOS.items():
+    for name, run in scenarios.items():
         try:
             results[name] = run(rank, groups[name])
         except BaseException:  # noqa: BLE001 - reported to the test
@@ -147,6 +148,13 @@ def _worker(rank: int, world: int, init_file: str, out_file: str) -> None:
     with open(out_file, "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()
+
+
+def _worker(rank: int, world: int, init_file: str, out_file: str) -> None:
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    run_scenarios(rank, SCENARIOS, "gloo", 30, out_file)
 
 
 # ---- the parent: spawn once, then assert per scenario ----------------------------------------------

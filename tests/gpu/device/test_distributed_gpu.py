@@ -11,17 +11,15 @@ NVSHMEM_DISABLE_NVLS=1), as the device machines require.
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import time
-import traceback
 from datetime import timedelta
 
 import numpy as np
 import pytest
 
-from tests.test_distributed import _flip_kv, _session_run, _stopped_run, collect, scenario, strip
+from tests.test_distributed import _flip_kv, _session_run, _stopped_run, collect, run_scenarios, scenario, strip
 
 pytestmark = pytest.mark.gpu
 
@@ -93,15 +91,7 @@ def _worker(rank: int, world: int, init_file: str, out_file: str) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
-    results = {}
-    for name, run in SCENARIOS.items():
-        try:
-            results[name] = run(rank, dist.new_group(backend="nccl", timeout=timedelta(seconds=60)))
-        except BaseException:  # noqa: BLE001 - reported to the test
-            results[name] = {"error": traceback.format_exc()}
-    with open(out_file, "w") as f:
-        json.dump(results, f)
-    dist.destroy_process_group()
+    run_scenarios(rank, SCENARIOS, "nccl", 60, out_file)
 
 
 @pytest.fixture(scope="module")
