@@ -11,7 +11,9 @@ sector per PARTIAL strip), (b) the plain one-entry-per-thread verify a competent
 first (perf/kernels/baseline.cu's kvcb_verify_simple) on the same launch and (c) the same-loads
 probe of the fused verify (issue 29: every layout, the vLLM mix of request lengths included); the
 materialised plan (``kvcanary.verify``) on the default layout. Write: 256 requests x 1 token
-(decode) and 1 x 32768 (prefill), identity-only and ALL; a prefill against the serial-chain probe.
+(decode) and 1 x 32768 (prefill), identity-only and ALL; a prefill against the serial-chain probe;
+and (issue 29) the decode write PARTIAL and ALL on paged slots against the SGLang-shaped write (a
+one-thread block per request, as SGLang's canary documents its write kernel), target <= 1.0x.
 Each benchmark's stats are its launch's GPU time (CUDA events, L2 flushed before each round); the
 probe, the entry-major comparison and the bounds are measured beside it with the same timer. Every
 timed launch must leave the ring empty.
@@ -19,6 +21,7 @@ timed launch must leave the ring empty.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import kvcanary as kc
@@ -148,3 +151,45 @@ def test_write_throughput(report, workloads, timer, bounds, shape, mode):
         report.row(name, t, "s", bound=nbytes / bounds.copy_bandwidth,
                    bound_name="bytes it must touch / copy bw", gpu_launch_floor_s=bounds.gpu_launch_floor,
                    **extra)
+
+
+def sglang_write(probes, ctx, plan, batch):
+    """fn(stream) of the write as SGLang's canary documents its ``canary_write_kernel``: one
+    single-thread block per request, the chain and each entry's fingerprint serial in that thread
+    (perf/kernels/baseline.cu's kvcb_write_one_thread launched with blocks of one thread), on the
+    params kvcanary.ops packed for kvcanary's own write; and the packed launch (kept alive)."""
+    from kvcanary import ops
+    launch = ops.prepare_write(ctx, plan, batch.input_ids, batch.positions, batch.out_cache_loc)
+    return lambda s: probes.launch_packed("kvcb_write_one_thread", plan.max_batch, 1, s, launch.address), launch
+
+
+@gpu_timed
+@pytest.mark.parametrize("mode", ["partial", "all"])
+def test_write_vs_sglang(report, workloads, timer, probes, mode):
+    """Issue 29: kvcanary's decode write against the SGLang-shaped write on the same launch (bs 256,
+    a paged pool after churn, 1 KiB per token), timed in interleaved rounds. Before timing, the
+    SGLang-shaped write must store what kvcanary's stores (the new slots poisoned between)."""
+    w = workloads.get(*DECODE_256, layout="paged")
+    ctx = w.context(mode)
+    plan = w.plan()
+    kc.build_plan(w.batch, plan, stream=timer.handle)
+    ours = lambda s: write(ctx, plan, w.batch, s)  # noqa: E731
+    theirs, keep = sglang_write(probes, ctx, plan, w.batch)
+    new = w.slots[:, w.prefix:].ravel()
+    stamped = []
+    for fn in (ours, theirs):
+        host = ctx.buffer.array.numpy()
+        host[new] = 0xA5  # a write that stores nothing cannot pass as equal
+        ctx.buffer.array.copy_from_host(host)
+        fn(timer.handle)
+        timer.sync()
+        stamped.append(ctx.buffer.array.numpy()[new])
+    np.testing.assert_array_equal(stamped[1], stamped[0], err_msg="the SGLang-shaped write must store what kvcanary stores")
+    report.gpu(ours)
+    t = timer.gpu_time_interleaved({"kvcanary": ours, "sglang": theirs})
+    assert w.violations() == 0, "the benchmark workload must write clean"
+    del keep
+    report.row(f"write {mode}, decode {w.bs}x1 new tokens, paged slots: kvcanary / SGLang-shaped write "
+               "(a one-thread block per request)", t["kvcanary"], "s", bound=t["sglang"],
+               bound_name="SGLang-shaped write, interleaved rounds", target=BASELINE_TARGET,
+               sglang_s=t["sglang"])
