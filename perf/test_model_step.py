@@ -238,6 +238,52 @@ def test_model_decode_step(report, timer, bounds, shape, layers):
                        bound_name="issue 13 target", target=("<=", 1.0))
 
 
+@contextlib.contextmanager
+def l2_fetch_granularity(nbytes: int):
+    """The current context's CU_LIMIT_MAX_L2_FETCH_GRANULARITY set to ``nbytes`` (a hint: how many
+    bytes L2 fetches from DRAM per miss), the previous value restored after."""
+    from cuda.bindings import driver as cu
+
+    from kvcanary.runtime.driver import check
+    limit = cu.CUlimit.CU_LIMIT_MAX_L2_FETCH_GRANULARITY
+    old = int(check(cu.cuCtxGetLimit(limit), "cuCtxGetLimit(MAX_L2_FETCH_GRANULARITY)"))
+    check(cu.cuCtxSetLimit(limit, nbytes), "cuCtxSetLimit(MAX_L2_FETCH_GRANULARITY)")
+    try:
+        yield old
+    finally:
+        check(cu.cuCtxSetLimit(limit, old), "cuCtxSetLimit(MAX_L2_FETCH_GRANULARITY)")
+
+
+@gpu_timed
+@pytest.mark.parametrize("shape", ["bs64x2048", "bs256x2048"])
+def test_model_step_l2_granularity(report, timer, shape):
+    """Issue 29 experiment: layers=all fingerprints a 16-byte strip of 44 pools per cached token at
+    random slots, and ncu counts about 2.5x the DRAM bytes of a 32-byte sector per strip (L2
+    fetches more than the sector a strip needs). The step with and without the canary, interleaved,
+    at the context's default L2 fetch granularity and at 32 bytes: the canary's added time and the
+    engine's own step (no canary) at 32 bytes against the default, same run."""
+    torch = pytest.importorskip("torch")
+    bs, ctx = SHAPES[shape]
+    model, step, batch, setup = setup_step(torch, bs, ctx)
+    canary = make_canary(model, bs, ctx, "all", setup, timer.handle)
+    runs = {"with": graphed(torch, model, step, bs, ctx, canary, batch, timer),
+            "without": graphed(torch, model, step, bs, ctx, None, batch, timer)}
+    report.gpu(runs["with"], rounds=10, warmup=2, flush=False)
+    base = timer.gpu_time_interleaved(runs, warmup=3, repeat=15, flush=False)
+    with l2_fetch_granularity(32) as default:
+        small = timer.gpu_time_interleaved(runs, warmup=3, repeat=15, flush=False)
+    canary.poll(timer.handle)
+    canary.flush()
+    assert canary.stats()["violations"] == 0, "the model step must run clean"
+    name = f"model decode step (1.1B Llama-shaped, graph), {shape}"
+    added, added_small = base["with"] - base["without"], small["with"] - small["without"]
+    report.row(f"{name}: canary layers=all PARTIAL added time, L2 fetch granularity 32 B / default ({default} B)",
+               added_small, "s", bound=added, bound_name="the default granularity (same run)",
+               step_without_s=base["without"], step_without_32_s=small["without"])
+    report.row(f"{name}: the step without the canary, L2 fetch granularity 32 B / default ({default} B)",
+               small["without"], "s", bound=base["without"], bound_name="the default granularity (same run)")
+
+
 @gpu_timed
 @pytest.mark.parametrize("canary_on", [False, True])
 def test_model_prefill_chunk_eager(report, timer, bounds, canary_on):
