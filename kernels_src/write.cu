@@ -197,24 +197,17 @@ __device__ __forceinline__ unsigned kvc_write_request(const KvcWriteParams& p, K
   bool pos_assert = false;
   if (seed > KVC_SEED_INVALID && seed <= KVC_SEED_INVALID + KVC_BATCH_FIELD_MAX) return 0;  // rejected
   __syncthreads();  // the previous request's chunks are consumed
-  // Without a chain source the first chunk's loads and folds need neither the seed nor the links:
-  // the workers start them at once, beside the seed record's load, which only the chain thread
-  // (and the link check) waits for. A decode block then waits for memory twice before its store.
-  const bool may_link = p.chain_source != 0 && chunks > 0;
-  if (!may_link && worker >= 0 && chunks > 0) kvc_write_load(p, sh.stage[0], start, end, worker);
   if (seed >= p.num_slots || seed < KVC_CHAIN_HEAD) {  // a seed slot outside the buffer: chain head
     if (tid == 0) kvc_record(p, r, seed, KVC_NO_POSITION, 0, KVC_NO_EXPECTED_TOKEN, 0, 0, KVC_SLOT_OUT_OF_RANGE);
   } else if (seed >= 0) {
     pos_assert = assert_flag;
-    if (tid == 0 || may_link) {
-      running = kvc_slot_hash(p, seed);
-      running_pos = kvc_slot(p, seed)[KVC_FIELD_POSITION];
-    }
+    running = kvc_slot_hash(p, seed);
+    running_pos = kvc_slot(p, seed)[KVC_FIELD_POSITION];
   }
-  if (may_link && kvc_chain_links(p, start, end, running))
+  if (p.chain_source != 0 && chunks > 0 && kvc_chain_links(p, start, end, running))
     return kvc_write_linked(p, r, start, end, running_pos, has_expected, pos_assert);
   unsigned stamped = 0;
-  if (may_link && worker >= 0) kvc_write_load(p, sh.stage[0], start, end, worker);
+  if (worker >= 0 && chunks > 0) kvc_write_load(p, sh.stage[0], start, end, worker);
   __syncthreads();
   for (int k = 0; k <= chunks; ++k) {
     const long long base = start + (long long)k * KVC_WRITE_CHUNK;
@@ -256,28 +249,14 @@ __device__ __forceinline__ bool kvc_write_asserts(const KvcWriteParams& p) {
 __device__ __forceinline__ void kvc_write_run(const KvcWriteParams& p) {
   __shared__ KvcWriteShared sh;
   if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(p.kernel_run_counter, 1ULL);
-  // The block's first request's WritePlan fields are loaded beside the request count, not after it
-  // (in bounds below req_capacity: the host checked the plan's shapes), saving a memory round trip.
-  const long long first = blockIdx.x;
-  long long o0 = 0, o1 = 0, seed = 0;
-  if (first < p.req_capacity) {
-    o0 = p.offsets[first];
-    o1 = p.offsets[first + 1];
-    seed = p.seed[first];
-  }
   const long long num_reqs = kvc_clamp(*p.num_valid_reqs, 0, p.req_capacity);
   const long long T = p.num_tokens;
   const bool has_expected = kvc_write_has_expected(p), assert_flag = kvc_write_asserts(p);
   unsigned stamped = 0;
-  for (long long r = first; r < num_reqs; r += gridDim.x) {
-    if (r != first) {
-      o0 = p.offsets[r];
-      o1 = p.offsets[r + 1];
-      seed = p.seed[r];
-    }
-    const long long start = kvc_clamp(o0, 0, T);
-    const long long end = kvc_clamp(o1, start, T);
-    stamped += kvc_write_request(p, sh, r, start, end, seed, has_expected, assert_flag);
+  for (long long r = blockIdx.x; r < num_reqs; r += gridDim.x) {
+    const long long start = kvc_clamp(p.offsets[r], 0, T);
+    const long long end = kvc_clamp(p.offsets[r + 1], start, T);
+    stamped += kvc_write_request(p, sh, r, start, end, p.seed[r], has_expected, assert_flag);
   }
   kvc_write_count(p, stamped);
 }
