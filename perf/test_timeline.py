@@ -57,7 +57,7 @@ def per_kernel(events: list[tuple[str, float, float]], replays: int) -> list[dic
     return out
 
 
-def trace_replays(torch, fn, timer, replays: int = REPLAYS) -> list[dict]:
+def trace_replays(fn, timer, replays: int = REPLAYS) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
     for _ in range(3):
         fn(timer.handle)
@@ -88,10 +88,11 @@ def test_manager_step_timeline(report, workloads, timer, monkeypatch, shape, fol
     canary = make_manager(w, "identity", True)
     step = graphed_step(torch, w, canary, timer)
     report.gpu(step)
-    kernels = trace_replays(torch, step, timer)
+    kernels = trace_replays(step, timer)
     canary.flush()
     assert canary.stats()["violations"] == 0, "the benchmark workload must step clean"
-    assert kernels[0]["name"].startswith("kvc_prepare_write" if fold else "kvc_prepare"), kernels[0]["name"]
+    first = kernels[0]["name"]
+    assert first.startswith("kvc_prepare_write") if fold else first == "kvc_prepare", first
     span, busy = kernels[-1]["dur_us"], sum(k["dur_us"] for k in kernels[:-1])
     how = "folded" if fold else "apart"
     for k in kernels:
