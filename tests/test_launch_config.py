@@ -153,3 +153,30 @@ def test_a_canary_step_given_no_stream_runs_on_the_stream_its_batch_was_staged_o
         canary.after_forward(batch)
         assert fake.launched[n0] == "kvc_stage_vllm" and set(fake.streams[n0:]) == {s}, fake.streams[n0:]
     fake.run()
+
+
+class _Runtime:
+    """Enough of a DeviceRuntime for Launch objects that are only inspected, never launched."""
+
+    def launcher(self, name, grid, block, address, grid_y=1):
+        return lambda stream: None
+
+
+@pytest.mark.parametrize("plan_tokens,write_tokens,want", [
+    (32, 32, "kvc_prepare_write_pair_warps"),
+    (40, 40, "kvc_prepare_write_pair"),
+    (0, 40, "kvc_prepare_write_pair"),  # a plan built without out_cache_loc counts no tokens
+    (0, abi.FOLD_MAX_TOKENS + 1, None),
+])
+def test_the_fold_picks_its_kernel_by_the_writes_token_count(plan_tokens, write_tokens, want):
+    """The warps-only fold stamps at most 32 tokens a request (one lane each): it must not be picked
+    for writes of more tokens, whatever the plan's count says."""
+    rt = _Runtime()
+    q = abi.PrepareParams()
+    q.batch_size, q.num_tokens = 2, plan_tokens
+    w = abi.WritePair()
+    w.half[0].num_tokens = w.half[1].num_tokens = write_tokens
+    plan = launch.Launch(rt, "kvc_prepare", 1, abi.PREPARE_THREADS, q, 0)
+    writes = launch.Launch(rt, "kvc_write_pair", 2, abi.BLOCK_THREADS, w, 0, grid_y=abi.HALVES)
+    one = launch.folded(plan, writes)
+    assert (one and one.name) == want

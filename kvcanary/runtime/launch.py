@@ -63,15 +63,17 @@ def folded(plan: Launch, writes: Launch) -> Launch | None:
     if plan.name != "kvc_prepare" or writes.name != "kvc_write_pair" or plan.rt is not writes.rt \
             or plan.stream != writes.stream or writes.block != abi.BLOCK_THREADS:
         return None
-    q = plan.params
-    if q.batch_size > abi.FOLD_MAX_BATCH or q.num_tokens > abi.FOLD_MAX_TOKENS:
+    q, halves = plan.params, writes.params.half
+    # the writes' token count decides the kernel: the plan's is 0 when it was built without out_cache_loc
+    tokens = max(q.num_tokens, halves[0].num_tokens, halves[1].num_tokens)
+    if q.batch_size > abi.FOLD_MAX_BATCH or tokens > abi.FOLD_MAX_TOKENS:
         return None
     p = abi.PrepareWritePair()
     p.plan[0] = q
-    p.half[0], p.half[1] = writes.params.half[0], writes.params.half[1]
+    p.half[0], p.half[1] = halves[0], halves[1]
     grid = max(1, min(writes.grid, q.batch_size))
     # a step of at most a warp's new tokens: no request needs the block's path (nor its shared stage)
-    name = "kvc_prepare_write_pair_warps" if q.num_tokens <= abi.WARP_SIZE else "kvc_prepare_write_pair"
+    name = "kvc_prepare_write_pair_warps" if tokens <= abi.WARP_SIZE else "kvc_prepare_write_pair"
     return Launch(plan.rt, name, grid, abi.BLOCK_THREADS, p, plan.stream, (plan.keep, writes.keep))
 
 
