@@ -174,7 +174,7 @@ def test_write_vs_sglang(report, workloads, timer, probes, mode):
     plan = w.plan()
     kc.build_plan(w.batch, plan, stream=timer.handle)
     ours = lambda s: write(ctx, plan, w.batch, s)  # noqa: E731
-    theirs, keep = sglang_write(probes, ctx, plan, w.batch)
+    theirs, _keep = sglang_write(probes, ctx, plan, w.batch)  # _keep owns the params theirs points at
     new = w.slots[:, w.prefix:].ravel()
     stamped = []
     for fn in (ours, theirs):
@@ -188,7 +188,6 @@ def test_write_vs_sglang(report, workloads, timer, probes, mode):
     report.gpu(ours)
     t = timer.gpu_time_interleaved({"kvcanary": ours, "sglang": theirs})
     assert w.violations() == 0, "the benchmark workload must write clean"
-    del keep
     report.row(f"write {mode}, decode {w.bs}x1 new tokens, paged slots: kvcanary / SGLang-shaped write "
                "(a one-thread block per request)", t["kvcanary"], "s", bound=t["sglang"],
                bound_name="SGLang-shaped write, interleaved rounds", target=BASELINE_TARGET,

@@ -2,8 +2,9 @@
 
 Each step, the last block to finish of the step's last launch (eager TAIL's last verify:
 ``kvc_step_end``, kernels_src/common.cuh), or a launch of ``kvc_snapshot`` (kernels_src/pump.cu) on
-the step's stream after the step's launches (a replayed graph, a poll), copies a small status block (ring write index, per-launch counters, plan flags)
-into a slot of pinned host memory mapped for the device, then writes the slot's completion word.
+the step's stream after the step's launches (a replayed graph, a poll), copies a small status
+block (ring write index, per-launch counters, plan flags) into a slot of pinned host memory mapped
+for the device, then writes the slot's completion word.
 The host reads completion words with plain memory loads (no driver call, no event) and takes the
 finished snapshots in FIFO order. Only when a snapshot shows new violations is the ring read back
 (a copy on a stream of its own, which waits for nothing else). The host backend's :class:`HostPump`

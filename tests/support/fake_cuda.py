@@ -3,8 +3,8 @@
 "Device memory" is host memory (ctypes buffers at real addresses), launches are queued per
 stream and run when the test calls :meth:`FakeDriver.run` or a synchronising call is made. Each
 runs from the params struct bytes copied at launch time, as the driver does: ``kvc_snapshot`` (and a
-verify's ``snap``) is emulated, ``kvc_prepare`` (and the fold's plan part) enables an empty plan, verify and write launches only count their run
-(``kernel_run_counter``), so a fake step is clean. Each ``cuLibraryLoadData`` is a :class:`FakeLibrary`
+verify's ``snap``) is emulated, ``kvc_prepare`` (and the fold's plan part) enables an empty plan,
+verify and write launches only count their run (``kernel_run_counter``), so a fake step is clean. Each ``cuLibraryLoadData`` is a :class:`FakeLibrary`
 of the cubin's real entry points and variables (a kernel asked of another family's library is not
 found, as on a device); ``library_loads`` names the family of each, in load order. Types and enums
 come from the real ``cuda.bindings.driver`` (importing it needs no driver). Install with :func:`install`.
