@@ -6,10 +6,8 @@
 // the chain's arithmetic, not by memory latency, the real-KV folds or the stores. Warp 4 stays
 // idle: an SM spreads a block's warps over its four schedulers by warp index mod 4, so warp 4
 // would compete with the chain for warp 0's issue slots. Graph-safe: per-step values live on the
-// device. A request of at most a warp's tokens (a decode step's) is stamped by warp 0 alone, the
-// same stores without the stage (kvc_write_by_warp). A request the plan builder rejected (seed
-// KVC_SEED_INVALID + field, reported there) stamps nothing; every slot read from device memory is
-// checked against the buffer.
+// device. A request the plan builder rejected (seed KVC_SEED_INVALID + field, reported there)
+// stamps nothing; every slot read from device memory is checked against the buffer.
 //
 // The chain once per step: a launch given a chain source (another buffer of the group that this
 // step already stamped with the same tokens, e.g. HEAD K for HEAD V, TAIL K and TAIL V) first
@@ -232,9 +230,58 @@ __device__ __forceinline__ unsigned kvc_write_request(const KvcWriteParams& p, K
   return stamped;
 }
 
-// One warp's share of request r's tokens [start, end), at most a warp's (a short request of a write
-// launch, kvc_write_by_warp; the fold's halves, a warp each, side by side), in two phases so the
-// fold can clear the request's verdict between them:
+// What a write launch counts: the launch (block 0) and, per warp, the entries its threads stamped.
+__device__ __forceinline__ void kvc_write_count(const KvcWriteParams& p, unsigned stamped) {
+  const unsigned warp_stamped = __reduce_add_sync(KVC_FULL_MASK, stamped);
+  if ((threadIdx.x & 31) == 0 && warp_stamped) atomicAdd(p.slot_run_counter, (unsigned long long)warp_stamped);
+}
+
+__device__ __forceinline__ bool kvc_write_has_expected(const KvcWriteParams& p) {
+  return p.expected_input_ids != 0 && p.expected_positions != 0;
+}
+
+__device__ __forceinline__ bool kvc_write_asserts(const KvcWriteParams& p) {
+  return p.chain_position_assert != 0 && *p.chain_position_assert != 0;
+}
+
+// The write of one params struct (a launch, or one half of a paired launch): its requests from the
+// WritePlan the plan builder stored.
+__device__ __forceinline__ void kvc_write_run(const KvcWriteParams& p) {
+  __shared__ KvcWriteShared sh;
+  if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(p.kernel_run_counter, 1ULL);
+  const long long num_reqs = kvc_clamp(*p.num_valid_reqs, 0, p.req_capacity);
+  const long long T = p.num_tokens;
+  const bool has_expected = kvc_write_has_expected(p), assert_flag = kvc_write_asserts(p);
+  unsigned stamped = 0;
+  for (long long r = blockIdx.x; r < num_reqs; r += gridDim.x) {
+    const long long start = kvc_clamp(p.offsets[r], 0, T);
+    const long long end = kvc_clamp(p.offsets[r + 1], start, T);
+    stamped += kvc_write_request(p, sh, r, start, end, p.seed[r], has_expected, assert_flag);
+  }
+  kvc_write_count(p, stamped);
+}
+
+extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_write(const __grid_constant__ KvcWriteParams p) {
+  KVC_AFTER_PREVIOUS_GRID();
+  kvc_write_run(p);
+}
+
+// The K and V halves of a group in one launch: blockIdx.y is the half (a half never takes its
+// chain from the other: a chain source is stamped by an earlier launch).
+extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_write_pair(const __grid_constant__ KvcWritePair p) {
+  KVC_AFTER_PREVIOUS_GRID();
+  if (blockIdx.y < KVC_HALVES) kvc_write_run(p.half[blockIdx.y]);
+}
+
+// The sum of one value per thread over the block, in every thread (every thread must call it).
+__device__ __forceinline__ long long kvc_block_sum(long long v, long long* warp_totals) {
+  long long total;
+  kvc_block_scan(v, warp_totals, &total);
+  return total;
+}
+
+// One warp's share of request r's tokens [start, end), at most a warp's (the fold's halves, a warp
+// each, side by side), in two phases so the fold can clear the request's verdict between them:
 // kvc_warp_load reads and chains (lane l holds entry start + l; every lane runs the chain over the
 // request's entries, their values shuffled across, keeping the value its own entry stores; an
 // earlier occurrence of a slot repeated in the request stores nothing: kvc_write_store's rule),
@@ -293,73 +340,6 @@ __device__ __forceinline__ unsigned kvc_warp_commit(const KvcWriteParams& p, lon
   if (lane >= end - start) return 0;
   return kvc_write_entry(p, r, start + lane, e.slot, e.token, e.position, e.chain, e.prev_position, e.rkv,
                          has_expected, e.pos_assert, !e.repeated);
-}
-
-// Whether a request of n tokens is stamped by warp 0 alone (kvc_warp_load + kvc_warp_commit, the
-// same stores and rows as kvc_write_request): a decode request (one or a few tokens) otherwise
-// pays the block path's shared stage, three barriers and 192 workers' padding loads for one entry
-// (ncu on the H200 at decode bs 256: 14.1 k cycles against 8.2 k for a one-thread-per-request write).
-// With a chain source, past KVC_WRITE_WARP_LINKED_MAX tokens the block path's parallel link check
-// is shorter than the warp's serial chain.
-#define KVC_WRITE_WARP_LINKED_MAX 8
-__device__ __forceinline__ bool kvc_write_by_warp(const KvcWriteParams& p, long long n) {
-  return n <= 32 && (p.chain_source == 0 || n <= KVC_WRITE_WARP_LINKED_MAX);
-}
-
-// What a write launch counts: the launch (block 0) and, per warp, the entries its threads stamped.
-__device__ __forceinline__ void kvc_write_count(const KvcWriteParams& p, unsigned stamped) {
-  const unsigned warp_stamped = __reduce_add_sync(KVC_FULL_MASK, stamped);
-  if ((threadIdx.x & 31) == 0 && warp_stamped) atomicAdd(p.slot_run_counter, (unsigned long long)warp_stamped);
-}
-
-__device__ __forceinline__ bool kvc_write_has_expected(const KvcWriteParams& p) {
-  return p.expected_input_ids != 0 && p.expected_positions != 0;
-}
-
-__device__ __forceinline__ bool kvc_write_asserts(const KvcWriteParams& p) {
-  return p.chain_position_assert != 0 && *p.chain_position_assert != 0;
-}
-
-// The write of one params struct (a launch, or one half of a paired launch): its requests from the
-// WritePlan the plan builder stored.
-__device__ __forceinline__ void kvc_write_run(const KvcWriteParams& p) {
-  __shared__ KvcWriteShared sh;
-  if (blockIdx.x == 0 && threadIdx.x == 0) atomicAdd(p.kernel_run_counter, 1ULL);
-  const long long num_reqs = kvc_clamp(*p.num_valid_reqs, 0, p.req_capacity);
-  const long long T = p.num_tokens;
-  const bool has_expected = kvc_write_has_expected(p), assert_flag = kvc_write_asserts(p);
-  unsigned stamped = 0;
-  for (long long r = blockIdx.x; r < num_reqs; r += gridDim.x) {
-    const long long start = kvc_clamp(p.offsets[r], 0, T);
-    const long long end = kvc_clamp(p.offsets[r + 1], start, T);
-    const long long seed = p.seed[r];
-    if (kvc_write_by_warp(p, end - start)) {  // the same choice in every thread
-      if (threadIdx.x < 32) stamped += kvc_warp_commit(p, r, start, end, seed,
-                                                       kvc_warp_load(p, start, end, seed, assert_flag), has_expected);
-    } else {
-      stamped += kvc_write_request(p, sh, r, start, end, seed, has_expected, assert_flag);
-    }
-  }
-  kvc_write_count(p, stamped);
-}
-
-extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_write(const __grid_constant__ KvcWriteParams p) {
-  KVC_AFTER_PREVIOUS_GRID();
-  kvc_write_run(p);
-}
-
-// The K and V halves of a group in one launch: blockIdx.y is the half (a half never takes its
-// chain from the other: a chain source is stamped by an earlier launch).
-extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS) kvc_write_pair(const __grid_constant__ KvcWritePair p) {
-  KVC_AFTER_PREVIOUS_GRID();
-  if (blockIdx.y < KVC_HALVES) kvc_write_run(p.half[blockIdx.y]);
-}
-
-// The sum of one value per thread over the block, in every thread (every thread must call it).
-__device__ __forceinline__ long long kvc_block_sum(long long v, long long* warp_totals) {
-  long long total;
-  kvc_block_scan(v, warp_totals, &total);
-  return total;
 }
 
 // Both halves of request r stamped by the whole block, K then V (a request past a warp's tokens).

@@ -178,42 +178,6 @@ def test_long_requests_take_their_chain_source_in_rounds(change):
     assert ref[4] >= n * 0.9  # slot_run_counter: the long requests were stamped
 
 
-@pytest.mark.parametrize("change", [None, _change_some_head_records])
-def test_short_requests_either_side_of_the_warp_path_with_a_chain_source(change):
-    """With a chain source, a request of at most KVC_WRITE_WARP_LINKED_MAX (8) tokens is stamped by
-    one warp running the serial chain, 9..32 by the block's link check (kernels_src/write.cu,
-    kvc_write_by_warp); without one, every request of at most 32 by the warp. Requests of 0, 1, 2,
-    7, 8, 9, 31, 32 and 33 tokens (twice each), seeds that are chain heads, out of range and slots
-    both buffers hold, a hole and a repeated slot in some: byte for byte the reference's serial
-    write, with the HEAD records as written and with some changed."""
-    lens = np.array([0, 1, 2, 7, 8, 9, 31, 32, 33] * 2, np.int64)
-    w = workloads.make(91, num_slots=4096, page_size=16, mode=abi.HashMode.PARTIAL, num_sources=1,
-                       num_reqs=len(lens), max_len=2)
-    n = int(lens.sum())
-    w.offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-    rng = np.random.default_rng(12)
-    w.out_cache_loc = rng.permutation(np.arange(8, w.num_slots))[:n].astype(np.int64)  # slot 5, a seed, is unwritten
-    starts = w.offsets[:-1][lens >= 8]
-    w.out_cache_loc[starts[::2] + 3] = -1                                      # a hole
-    w.out_cache_loc[starts[1::2] + 4] = w.out_cache_loc[starts[1::2] + 2]     # a slot repeated
-    w.input_ids = rng.integers(0, 50_000, n).astype(np.int64)
-    w.positions = np.concatenate([np.arange(k) + 40 for k in lens]).astype(np.int64)
-    w.expected_input_ids, w.expected_positions = w.input_ids.copy(), w.positions.copy()
-    w.seed = np.resize(np.array([-1, 5, w.num_slots + 2], np.int64), len(lens))
-    canary = rng.integers(-(1 << 62), 1 << 62, (w.num_slots, 4)).astype(np.int64)
-
-    def sources(B):
-        pools = [workloads.columns(B(big.copy()), col, w.page_size * b) for (big, col), b in zip(w.pools, w.bytes_per_token)]
-        return [kc.RealKvSource(q, w.page_size, b, r) for q, b, r in zip(pools, w.bytes_per_token, w.read_bytes)]
-
-    ref = _write_effects(w, host, canary, sources, w.mode)
-    for chain_from in (None, True):
-        got = _write_effects(w, to_dev, canary, sources, w.mode, chain_from=chain_from, head_change=change)
-        np.testing.assert_array_equal(ref[0], got[0])
-        assert ref[1:] == got[1:]
-    assert ref[2] > 0  # rows: the out-of-range seeds
-
-
 def test_long_chain_single_request():
     w = workloads.make(123, num_slots=40000, page_size=64, num_reqs=1, max_len=2, mode=abi.HashMode.ALL)
     n = 33000
