@@ -21,11 +21,17 @@
 // ends in kvc_step_end, whose last block to finish copies the status block (common.cuh).
 #include "fingerprint.cuh"
 
+// The narrow kernels' tile depth follows what a lane loads (perf/test_tuning.py, decode bs 256 on
+// the H200): without fingerprints, two entries per lane keep more record loads in flight; with
+// them, a lane's strips already do, and one entry per lane runs about 10 % faster. The choice is
+// the launch's (num_sources), the same in every thread.
 #ifdef KVC_TUNE_VT  // the tuning benchmark compiles variants of the tile depth and occupancy
 #define KVC_VT KVC_TUNE_VT
+#define KVC_HASHED_VT KVC_TUNE_VT
 #define KVC_VERIFY_BLOCKS_PER_SM KVC_TUNE_BLOCKS_PER_SM
 #else
 #define KVC_VT KVC_VERIFY_LANE_ENTRIES
+#define KVC_HASHED_VT KVC_HASHED_LANE_ENTRIES
 #define KVC_VERIFY_BLOCKS_PER_SM KVC_VERIFY_MIN_BLOCKS
 #endif
 // The fused *_many kernels keep the ABI's tile depth (their shared stage is sized by it; the
@@ -479,7 +485,8 @@ __device__ __forceinline__ void kvc_verify_fused(const KvcFusedVerifyParams& p, 
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_VERIFY_BLOCKS_PER_SM)
 kvc_verify(const __grid_constant__ KvcVerifyParams p) {
   KVC_AFTER_PREVIOUS_GRID();
-  kvc_verify_plan<KVC_VT, KVC_FOLD_NARROW>(p, nullptr);
+  if (p.num_sources > 0) kvc_verify_plan<KVC_HASHED_VT, KVC_FOLD_NARROW>(p, nullptr);
+  else kvc_verify_plan<KVC_VT, KVC_FOLD_NARROW>(p, nullptr);
   kvc_step_end(p.snap[0]);
 }
 
@@ -501,7 +508,8 @@ kvc_verify_wide(const __grid_constant__ KvcVerifyParams p) {
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_VERIFY_BLOCKS_PER_SM)
 kvc_fused_verify(const __grid_constant__ KvcFusedVerifyParams p) {
   KVC_AFTER_PREVIOUS_GRID();
-  kvc_verify_fused<KVC_VT, KVC_FOLD_NARROW>(p, nullptr);
+  if (p.num_sources > 0) kvc_verify_fused<KVC_HASHED_VT, KVC_FOLD_NARROW>(p, nullptr);
+  else kvc_verify_fused<KVC_VT, KVC_FOLD_NARROW>(p, nullptr);
   kvc_step_end(p.snap[0]);
 }
 
@@ -526,7 +534,11 @@ kvc_fused_verify_wide(const __grid_constant__ KvcFusedVerifyParams p) {
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_VERIFY_BLOCKS_PER_SM)
 kvc_fused_verify_pair(const __grid_constant__ KvcFusedVerifyPair p) {
   KVC_AFTER_PREVIOUS_GRID();
-  if (blockIdx.y < KVC_HALVES) kvc_verify_fused<KVC_VT, KVC_FOLD_NARROW>(p.half[blockIdx.y], nullptr);
+  if (blockIdx.y < KVC_HALVES) {
+    const KvcFusedVerifyParams& h = p.half[blockIdx.y];
+    if (h.num_sources > 0) kvc_verify_fused<KVC_HASHED_VT, KVC_FOLD_NARROW>(h, nullptr);
+    else kvc_verify_fused<KVC_VT, KVC_FOLD_NARROW>(h, nullptr);
+  }
   kvc_step_end(p.half[0].snap[0]);
 }
 

@@ -54,7 +54,8 @@ WARP_SIZE = 32               # threads of a warp (the kernels' warp tiles; CUDA'
 BLOCK_THREADS = 256          # verify, write and expand blocks
 PREPARE_THREADS = 1024       # the one block of kvc_prepare
 WIDE_VERIFY_THREADS = 128    # blocks of the warp-cooperative *_wide verify kernels
-VERIFY_LANE_ENTRIES = 2      # entries per lane in a warp tile of the narrow verify kernels
+VERIFY_LANE_ENTRIES = 2      # entries per lane in a warp tile of the narrow verify kernels (no fingerprint)
+HASHED_LANE_ENTRIES = 1      # the same when they fingerprint real KV (a lane's strips keep its loads in flight)
 VERIFY_MIN_BLOCKS = 4        # blocks per SM the narrow verify kernels are compiled for (64 registers)
 MANY_SOURCES = 4             # sources (short strips) from which the *_many verifies batch their loads
 SOURCE_BATCH = 8             # sources whose first pieces a *_many verify loads before folding any
@@ -680,6 +681,7 @@ def constants() -> dict[str, int]:
         "KVC_REAL_KV_ALIGN": REAL_KV_ALIGN, "KVC_ECHO_BYTES": ECHO_BYTES,
         "KVC_BLOCK_THREADS": BLOCK_THREADS, "KVC_PREPARE_THREADS": PREPARE_THREADS,
         "KVC_WIDE_VERIFY_THREADS": WIDE_VERIFY_THREADS, "KVC_VERIFY_LANE_ENTRIES": VERIFY_LANE_ENTRIES,
+        "KVC_HASHED_LANE_ENTRIES": HASHED_LANE_ENTRIES,
         "KVC_VERIFY_MIN_BLOCKS": VERIFY_MIN_BLOCKS, "KVC_MANY_SOURCES": MANY_SOURCES,
         "KVC_SOURCE_BATCH": SOURCE_BATCH, "KVC_MANY_VERIFY_MIN_BLOCKS": MANY_VERIFY_MIN_BLOCKS,
         "KVC_MANY_SPREAD_TILES": MANY_SPREAD_TILES, "KVC_MANY_SPREAD_STRIPS": MANY_SPREAD_STRIPS,

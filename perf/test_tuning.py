@@ -1,7 +1,8 @@
 """Issue 13: the narrow verify's block tile swept in one run (GPU; no targets: it says what to ship).
 
-The warp-tiled verify (kernels_src/verify.cu) has two tuning constants in kvcanary/abi.py:
-``VERIFY_LANE_ENTRIES`` (entries per lane in a warp tile, VT) and ``VERIFY_MIN_BLOCKS`` (its
+The warp-tiled verify (kernels_src/verify.cu) has three tuning constants in kvcanary/abi.py:
+``VERIFY_LANE_ENTRIES`` and ``HASHED_LANE_ENTRIES`` (entries per lane in a warp tile, VT, without
+and with fingerprints: a variant here sets both) and ``VERIFY_MIN_BLOCKS`` (its
 launch bound: registers per thread, hence blocks per SM). Each combination is compiled here with
 NVRTC into a library of its own (verify.cu with ``KVC_TUNE_VT`` / ``KVC_TUNE_BLOCKS_PER_SM``
 defined) and launched with the params ops packed for the shipped fused verify on the grid ops
@@ -74,7 +75,8 @@ def test_verify_tile_shape(report, workloads, timer, bounds, mode, layout, vt, b
     finally:
         timer.sync()
         check(cu.cuLibraryUnload(lib), "cuLibraryUnload")
-    shipped = (vt, blocks) == (abi.VERIFY_LANE_ENTRIES, abi.VERIFY_MIN_BLOCKS)
+    lanes = abi.HASHED_LANE_ENTRIES if mode != "identity" else abi.VERIFY_LANE_ENTRIES  # what ops ships per mode
+    shipped = (vt, blocks) == (lanes, abi.VERIFY_MIN_BLOCKS)
     report.row(f"tuning: verify fused {mode}, {w.label}, VT {vt}, {blocks} blocks/SM" + (" (shipped)" if shipped else ""),
                t, "s", bound=w.verify_bound_bytes(mode) / bounds.copy_bandwidth, bound_name="bytes it must touch / copy bw",
                vt=vt, min_blocks=blocks, grid=grid, resident_per_sm=int(per_sm))

@@ -325,9 +325,12 @@ def test_verify_kernel_follows_the_fingerprinted_bytes(fake, hash_mode, read_byt
     verifies = [(fn, grid, bx) for fn, grid, bx in fake.shapes if "verify" in fn]
     assert [v[0] for v in verifies] == ["kvc_fused_verify", tail_verify]  # HEAD never fingerprints
     assert verifies[0][2] == 256 and verifies[1][2] == block
-    for fn, grid, bx in verifies:  # no block without a tile of a full plan (grid-stride covers any grid)
-        tile = (31 if fn.endswith("_wide") else 32 * abi.VERIFY_LANE_ENTRIES - 1) * (bx // 32)  # a block's warp tiles
-        assert 1 <= grid <= -(-4096 // tile)
+    from kvcanary.runtime import driver
+    rt = driver.runtime(0)
+    for (fn, grid, bx), hashed in zip(verifies, (False, True)):  # one resident wave, no block without a tile
+        lanes = 1 if fn.endswith("_wide") else abi.HASHED_LANE_ENTRIES if hashed else abi.VERIFY_LANE_ENTRIES
+        tile = (32 * lanes - 1) * (bx // 32)  # a block's warp tiles
+        assert grid == min(rt.sm_count * (2048 // bx), -(-4096 // tile))  # fake occupancy: 2048 threads
 
 
 @pytest.mark.parametrize("capacity,wide", [(1, False), (1000, False), (1 << 20, False), (1 << 20, True)])
@@ -337,12 +340,15 @@ def test_verify_grid_is_one_resident_wave_at_most(fake, capacity, wide):
     from kvcanary.ops import bind as prepare
     from kvcanary.runtime import driver
     rt = driver.runtime(0)
-    hash_bytes = (16, 1024) if wide else (16,)
-    for base in ("kvc_verify", "kvc_fused_verify"):
-        name, grid, block = prepare._verify_shape(rt, base, capacity, hash_bytes)
-        assert name == (f"{base}_wide" if wide else base) and block == (128 if wide else 256)
-        tile = (31 if wide else 32 * abi.VERIFY_LANE_ENTRIES - 1) * (block // 32)
-        assert grid == min(rt.sm_count * (2048 // block), -(-capacity // tile))  # fake occupancy: 2048 threads
+    for hash_bytes in (((16, 1024),) if wide else ((16,), ())):
+        for base in ("kvc_verify", "kvc_fused_verify"):
+            name, grid, block = prepare._verify_shape(rt, base, capacity, hash_bytes)
+            assert name == (f"{base}_wide" if wide else base) and block == (128 if wide else 256)
+            # a warp tile: 32 entries a lane deep, one of them its predecessor's (1 deep when wide,
+            # HASHED_LANE_ENTRIES when the narrow kernel fingerprints, VERIFY_LANE_ENTRIES when not)
+            lanes = 1 if wide else abi.HASHED_LANE_ENTRIES if hash_bytes else abi.VERIFY_LANE_ENTRIES
+            tile = (32 * lanes - 1) * (block // 32)
+            assert grid == min(rt.sm_count * (2048 // block), -(-capacity // tile))  # fake occupancy: 2048 threads
 
 
 def test_a_batch_size_that_cycles_through_many_values_is_packed_once_per_size(fake, monkeypatch):

@@ -57,18 +57,19 @@ def _block_entries(block: int, lane_entries: int) -> int:
 def _verify_shape(rt, name: str, capacity: int, hash_bytes: tuple[int, ...]) -> tuple[str, int, int]:
     """(kernel, grid, block) of a verify launch: the warp-cooperative *_wide variant when a source
     fingerprints KVC_WIDE_HASH_BYTES or more, the *_many variant for MANY_SOURCES or more short
-    strips (their loads batched), and at most one resident wave of blocks (the
+    strips (their loads batched), else the narrow kernel (its warp tiles HASHED_LANE_ENTRIES deep
+    when it fingerprints, VERIFY_LANE_ENTRIES when not), and at most one resident wave of blocks (the
     driver's occupancy for the kernel), never more blocks than the plan capacity has block tiles
     (the fused *_many: warp tiles, as a small step spreads each tile over a block)."""
     wide = any(h >= abi.WIDE_HASH_BYTES for h in hash_bytes)
     if wide:
         name, block, tile = f"{name}_wide", abi.WIDE_VERIFY_THREADS, _block_entries(abi.WIDE_VERIFY_THREADS, 1)
+    elif len(hash_bytes) < abi.MANY_SOURCES:  # the narrow kernels tile by whether they fingerprint
+        block, tile = BLOCK, _block_entries(BLOCK, abi.HASHED_LANE_ENTRIES if hash_bytes else abi.VERIFY_LANE_ENTRIES)
     else:
-        block, tile = BLOCK, _block_entries(BLOCK, abi.VERIFY_LANE_ENTRIES)
-        if len(hash_bytes) >= abi.MANY_SOURCES:
-            name = f"{name}_many"
-            if name == "kvc_fused_verify_many":  # a block per warp tile: a small step spreads each over the block
-                tile = _block_entries(32, abi.VERIFY_LANE_ENTRIES)
+        name = f"{name}_many"
+        # the fused one: a block per warp tile (a small step spreads each over the block)
+        block, tile = BLOCK, _block_entries(32 if name == "kvc_fused_verify_many" else BLOCK, abi.VERIFY_LANE_ENTRIES)
     return name, max(1, min(rt.resident_blocks(name, block), -(-capacity // tile))), block
 
 
