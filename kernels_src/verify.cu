@@ -482,6 +482,12 @@ __device__ __forceinline__ void kvc_verify_fused(const KvcFusedVerifyParams& p, 
   kvc_fused_warp_tiles<VT, FOLD>(p, active, budget, check, stage);
 }
 
+// The narrow fused verify at the tile depth of what its lanes load (the launch's choice, above).
+__device__ __forceinline__ void kvc_verify_fused_narrow(const KvcFusedVerifyParams& p) {
+  if (p.num_sources > 0) kvc_verify_fused<KVC_HASHED_VT, KVC_FOLD_NARROW>(p, nullptr);
+  else kvc_verify_fused<KVC_VT, KVC_FOLD_NARROW>(p, nullptr);
+}
+
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_VERIFY_BLOCKS_PER_SM)
 kvc_verify(const __grid_constant__ KvcVerifyParams p) {
   KVC_AFTER_PREVIOUS_GRID();
@@ -508,8 +514,7 @@ kvc_verify_wide(const __grid_constant__ KvcVerifyParams p) {
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_VERIFY_BLOCKS_PER_SM)
 kvc_fused_verify(const __grid_constant__ KvcFusedVerifyParams p) {
   KVC_AFTER_PREVIOUS_GRID();
-  if (p.num_sources > 0) kvc_verify_fused<KVC_HASHED_VT, KVC_FOLD_NARROW>(p, nullptr);
-  else kvc_verify_fused<KVC_VT, KVC_FOLD_NARROW>(p, nullptr);
+  kvc_verify_fused_narrow(p);
   kvc_step_end(p.snap[0]);
 }
 
@@ -534,11 +539,7 @@ kvc_fused_verify_wide(const __grid_constant__ KvcFusedVerifyParams p) {
 extern "C" __global__ void __launch_bounds__(KVC_BLOCK_THREADS, KVC_VERIFY_BLOCKS_PER_SM)
 kvc_fused_verify_pair(const __grid_constant__ KvcFusedVerifyPair p) {
   KVC_AFTER_PREVIOUS_GRID();
-  if (blockIdx.y < KVC_HALVES) {
-    const KvcFusedVerifyParams& h = p.half[blockIdx.y];
-    if (h.num_sources > 0) kvc_verify_fused<KVC_HASHED_VT, KVC_FOLD_NARROW>(h, nullptr);
-    else kvc_verify_fused<KVC_VT, KVC_FOLD_NARROW>(h, nullptr);
-  }
+  if (blockIdx.y < KVC_HALVES) kvc_verify_fused_narrow(p.half[blockIdx.y]);
   kvc_step_end(p.half[0].snap[0]);
 }
 
