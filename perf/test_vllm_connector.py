@@ -12,6 +12,10 @@ the same step (``before_forward`` + ``after_forward`` of the connector's Batch).
 of both sides together <= 100 us per step, whatever ``layers`` (vLLM's own host time per step is
 small, and a canary that adds more than that costs its users more than its kernels do).
 
+A third row times the worker hooks of one decode step called back to back (hot caches, no engine work
+between them), the way perf/test_host_path.py times the manager: the two differ by the cost of
+running Python with the caches cold after a step of the engine's own work.
+
 ``verdicts="step"`` adds a wait for the step's checks to ``get_block_ids_with_load_errors``: its row
 gives that wait (device time the host spends blocked), not host work.
 """
@@ -103,9 +107,25 @@ def test_vllm_connector_hooks_host_time(report, bounds, timer, engine_cls, bs, l
         c.after_forward(batch, stream=w._stream)
         return time.perf_counter() - t0
     manager = statistics.median([manager_step() for _ in range(25)][5:])
+    from kvcanary.adapters.vllm_connector import KvCanaryMetadata
+    notes = w._bound.notes
+    notes.blocks, notes.dropped = [], []
+
+    def hooks_back_to_back() -> float:
+        """The worker hooks of this decode step again, hot (no engine work between them): the way the
+        project's other host rows are measured (perf/test_host_path.py)."""
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            w.bind_connector_metadata(KvCanaryMetadata(notes))
+            w.finish_forward()
+            w.get_block_ids_with_load_errors()
+        return (time.perf_counter() - t0) / 10
+    hot = statistics.median([hooks_back_to_back() for _ in range(15)][3:])
     c.flush()
     label = f"decode bs {bs} x {PROMPT} cached, {LAYERS} layers, layers={layers!r}, verdicts={verdicts!r}"
     common = dict(raw_launch_floor_s=bounds.launch_floor, launches_per_step=per_step, manager_step_s=manager,
+                  hooks_back_to_back_s=hot,
                   scheduler_hook_s=sched, verdict_wait_s=statistics.median(wait_rounds),
                   python_calibration_s=bounds.python_speed)
     if verdicts == "step":
@@ -115,6 +135,9 @@ def test_vllm_connector_hooks_host_time(report, bounds, timer, engine_cls, bs, l
     report.row(f"vLLM connector: worker + scheduler hooks, host time per step, {label}", t + sched, "s",
                bound=TARGET_S, bound_name="the issue's 100 us per step", target=("<=", 1.0), worker_hooks_s=t,
                **common)
+    report.row(f"vLLM connector: worker hooks back to back (hot, no engine work between steps), {label}", hot,
+               "s", bound=per_step * bounds.launch_floor, bound_name=f"{per_step:.3g} launches per step x raw launch "
+               "floor", **common)
     report.row(f"vLLM connector: worker hooks against the raw launch floor, {label}", t, "s",
                bound=per_step * bounds.launch_floor, bound_name=f"{per_step:.3g} launches per step x raw launch "
                "floor", **common)

@@ -120,6 +120,25 @@ def test_verdicts_next_lets_exactly_one_token_escape(model, clean):
     assert [f["request_id"] for f in e.worker.failed] == ["a"]   # once, though it read the flip twice
 
 
+@pytest.mark.parametrize("verdicts", ["auto", "step"])
+def test_async_scheduling(model, clean, verdicts):
+    # vLLM's default: step k + 1 is scheduled before step k's token reaches the host, so a decode token
+    # is stamped as unknown (-1) and the forward takes it from the device; the tokens stay vLLM's own
+    prompts = {"a": (A, 12), "b": (B, 12)}
+    base = serve(model, prompts, connector=None, async_scheduling=True)
+    assert base.outputs == clean
+    e = serve(model, prompts, async_scheduling=True, extra={"verdicts": verdicts})
+    assert e.worker.verdicts == ("next" if verdicts == "auto" else "step")
+    assert e.outputs == clean and not e.worker.failed
+    e.worker.canary.flush()
+    assert e.worker.canary.stats()["violations"] == 0
+    e = serve(model, prompts, async_scheduling=True, fault=flip_at(4, "a", 1), extra={"verdicts": verdicts})
+    assert e.finished == {"a": "error", "b": "length"} and e.outputs["b"] == clean["b"]
+    escaped = 1 if verdicts == "auto" else 0     # "next": the token of the step that read the flip
+    assert e.outputs["a"][:3] == clean["a"][:3] and len(e.outputs["a"]) == 3 + escaped
+    assert [f["request_id"] for f in e.worker.failed] == ["a"] and e.flipped not in e.cached_blocks()
+
+
 def test_log_mode_reports_and_lets_vllm_serve_on(model):
     e = serve(model, {"a": (A, 12)}, fault=flip_at(4, "a", 1), extra={"mode": "log"})
     assert e.finished == {"a": "length"} and not any(e.invalid)
@@ -130,6 +149,23 @@ def test_composes_under_multiconnector(model, clean):
     e = serve(model, {"a": (A, 12), "b": (B, 12)}, fault=flip_at(4, "a", 1), connector="MultiConnector")
     assert type(e.worker).__name__ == "MultiConnector" and isinstance(e.canary_connector, KvCanaryConnector)
     assert e.finished == {"a": "error", "b": "length"} and e.outputs["b"] == clean["b"]
+
+
+def test_the_readmes_flags_load_through_vllms_factory():
+    import json
+    import re
+    from pathlib import Path
+
+    from vllm.config import KVTransferConfig
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    flags = [json.loads(m) for m in re.findall(r"^(?:vllm serve MODEL )?--kv-transfer-config '([^']*)'$", readme, re.M)]
+    assert len(flags) == 2
+    assert KVConnectorFactory.get_connector_class(KVTransferConfig(**flags[0])) is KvCanaryConnector
+    multi = KVTransferConfig(**flags[1])
+    assert KVConnectorFactory.get_connector_class(multi).__name__ == "MultiConnector"
+    children = [KVConnectorFactory.get_connector_class(KVTransferConfig(**c))
+                for c in multi.kv_connector_extra_config["connectors"]]
+    assert children[0] is KvCanaryConnector and children[1].__name__ == "OffloadingConnector"
 
 
 def test_settings_come_from_extra_config_and_are_checked(model):

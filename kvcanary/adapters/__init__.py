@@ -13,6 +13,8 @@ per-step :class:`~kvcanary.Batch` from the engine's metadata, on the engine's de
 - :mod:`.transformers_paged`: Hugging Face ``transformers`` continuous batching (``generate_batch``);
 - :mod:`.failures`: the fail-closed hook of any engine: a step's batch index -> the engine's request
   and the blocks to keep out of reuse.
+- :mod:`.vllm_connector`: vLLM's KV-connector door (``--kv-transfer-config``), the canary with one flag;
+  it imports vLLM and is imported only by vLLM (never from here); its bookkeeping is :mod:`.vllm_steps`.
 
 Which layers are fingerprinted is chosen with ``layers=``: None/"first" (default, layer 0), "all"
 (up to ``MAX_REAL_KV_SOURCES`` sources per pool half) or a list of layer indices.

@@ -29,6 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor,
                                         create_kv_cache_views)
@@ -69,6 +70,7 @@ class Engine:
     layout: str = "LBNHC"
     layers: int = LAYERS
     max_model_len: int = 256
+    async_scheduling: bool = False  # vLLM's default: schedule step k + 1 before step k's output is processed
 
     def __post_init__(self):
         kv = {"kv_connector": self.connector, "kv_connector_module_path": MODULE, "kv_role": "kv_producer",
@@ -84,7 +86,7 @@ class Engine:
             model_config=ModelConfig(model=self.model_dir, skip_tokenizer_init=True, dtype="float32", max_model_len=self.max_model_len),
             scheduler_config=SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_tokens,
                                              max_model_len=self.max_model_len, is_encoder_decoder=False, enable_chunked_prefill=True,
-                                             async_scheduling=False),
+                                             async_scheduling=self.async_scheduling),
             cache_config=cache, kv_transfer_config=None if self.connector is None else KVTransferConfig(**kv),
             device_config=DeviceConfig("cpu" if self.device is None else "cuda"))
         spec = FullAttentionSpec(block_size=self.block_size, num_kv_heads=HEADS, head_size=HEAD_SIZE,
@@ -101,8 +103,9 @@ class Engine:
                                              kv_cache_layout=self.layout)
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(self.block_size, sha256)
-        self.scheduler = Scheduler(self.config, self.kv_cache_config, StructuredOutputManager(self.config),
-                                   block_size=self.block_size)
+        cls = AsyncScheduler if self.async_scheduling else Scheduler
+        self.scheduler = cls(self.config, self.kv_cache_config, StructuredOutputManager(self.config),
+                             block_size=self.block_size)
         dev = "cpu" if self.device is None else f"cuda:{self.device}"
         g = torch.Generator().manual_seed(7)
         self.raw = torch.randint(-128, 128, (tensor.size,), dtype=torch.int8, generator=g).to(dev)  # never zeros
@@ -115,6 +118,7 @@ class Engine:
             kv_transfer_state._KV_CONNECTOR_AGENT = self.worker
             self.glue = ActiveKVConnector(self.config, dict(zip(names, self.caches)))  # register_kv_caches
         self.preempted = 0
+        self.last: dict[str, int] = {}  # request id -> the token its last forward sampled
         self.new_computed: dict[str, int] = {}  # request id -> computed tokens when (last) scheduled as new
         self.outputs: dict[str, list] = {}
         self.finished: dict[str, str] = {}
@@ -143,13 +147,28 @@ class Engine:
         self.outputs[rid] = []
 
     def run(self, steps: int = 200, fault=None) -> None:
-        """Step until no request is left (or ``steps``); ``fault(engine, step)`` runs before each forward."""
+        """Step until no request is left (or ``steps``); ``fault(engine, step)`` runs before each forward.
+        Under async scheduling, as vLLM's engine core does: schedule and execute step k, then process
+        step k - 1's output."""
+        pending = None
         for _ in range(steps):
             if not self.scheduler.has_unfinished_requests():
-                return
-            self.step(fault)
+                break
+            done = self.execute(fault)
+            if self.async_scheduling:
+                done, pending = pending, done
+            if done is not None:
+                self.update(*done)
+        if pending is not None:
+            self.update(*pending)
 
     def step(self, fault=None):
+        out, mro = done = self.execute(fault)
+        self.update(*done)
+        return out
+
+    def execute(self, fault=None):
+        """Schedule one step and run it through the worker glue: (scheduler output, runner output)."""
         out = self.scheduler.schedule()
         self.preempted += len(out.preempted_req_ids or ())
         self.new_computed.update({r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs})
@@ -164,15 +183,16 @@ class Engine:
             conn = self.glue.post_forward(out.finished_req_ids)
             self.invalid.append(set(conn.invalid_block_ids))
         ids = list(out.num_scheduled_tokens)
-        mro = ModelRunnerOutput(req_ids=ids, sampled_token_ids=[sampled.get(r, []) for r in ids],
-                                kv_connector_output=conn)
+        self.step_count += 1
+        return out, ModelRunnerOutput(req_ids=ids, sampled_token_ids=[sampled.get(r, []) for r in ids],
+                                      kv_connector_output=conn)
+
+    def update(self, out, mro) -> None:
         for outs in self.scheduler.update_from_output(out, mro).values():
             for o in outs.outputs:
                 self.outputs[o.request_id] += o.new_token_ids
                 if o.finish_reason is not None:
                     self.finished[o.request_id] = str(o.finish_reason)
-        self.step_count += 1
-        return out
 
     # ---- the stand-in forward -------------------------------------------------------------------------
     def blocks(self, rid: str) -> list[int]:
@@ -185,11 +205,13 @@ class Engine:
         for rid, n in out.num_scheduled_tokens.items():
             req, blocks = reqs[rid], self.blocks(rid)
             nc = req.num_computed_tokens - n  # the scheduler has advanced it already
+            known = req.all_token_ids
             for p in range(nc, nc + n):
                 slots.append(blocks[p // self.block_size] * self.block_size + p % self.block_size)
-                toks.append(req.all_token_ids[p])
+                # async scheduling: the newest token is the last one sampled, which the host has not seen yet
+                toks.append(known[p] if p < len(known) else self.last[rid])
                 poss.append(p)
-            if nc + n >= req.num_tokens:
+            if not req.is_prefill_chunk:
                 sample[rid] = (blocks, nc + n)
         dev = self.u8[0].device
         kv = token_kv(torch.tensor(toks, device=dev), torch.tensor(poss, device=dev), self.layers)
@@ -197,7 +219,9 @@ class Engine:
             self._write(torch.tensor(slots), kv)
         else:
             self._replay(torch.tensor(slots, device=dev), kv)
-        return dict(zip(sample, ([t] for t in self.sample(list(sample.values())))))
+        tokens = dict(zip(sample, self.sample(list(sample.values()))))
+        self.last.update(tokens)
+        return {rid: [t] for rid, t in tokens.items()}
 
     def _write(self, slots, kv) -> None:
         b, o = slots // self.block_size, slots % self.block_size
