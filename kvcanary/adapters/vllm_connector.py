@@ -69,7 +69,8 @@ def connector_settings(extra: dict, *, max_num_seqs: int, max_model_len: int, as
     if verdicts not in VERDICTS:
         raise ValidationError(f"kv-canary: kv_connector_extra_config verdicts must be one of {VERDICTS}, got "
                               f"{verdicts!r}. Fix: \"step\" (the step that read bad KV emits no token; waits for "
-                              f"the step's checks), \"next\" (never waits; one token can escape) or \"auto\"")
+                              f"the step's checks), \"next\" (waits only for the previous step's checks; exactly "
+                              f"one token escapes) or \"auto\"")
     if verdicts == "auto":
         verdicts = "next" if async_scheduling else "step"
     settings = {"mode": "fail_request", "max_batch": max_num_seqs,

@@ -284,6 +284,9 @@ class _DeviceSteps:
         from ..runtime import memory
         self.words, self.cells = max(words, self.words), max(cells, self.cells)
         total = self.words + self.cells
+        for event in self.events:  # the old buffers' copies have run before they go (a rare growth)
+            if event is not None:
+                event.synchronize()
         self.host = [memory.PinnedBuffer((total,), np.int64, self.device) for _ in range(self.DEPTH)]
         self.events = [None] * self.DEPTH
         self.dev = torch.zeros(total, dtype=torch.int64, device=f"cuda:{self.device}")
