@@ -154,7 +154,8 @@ class KvCanaryConnector(KVConnectorBase_V1):
             self._vllm_config.cache_config, "kv_cache_layout", None)
         settings = {n: getattr(self.config, n) for n in CanaryConfig.names() if n != "device"}
         self.canary = vllm_canary(kv_caches, layers=self.layers, layout=layout, **settings)
-        spec = max(0, getattr(self._vllm_config, "num_speculative_tokens", 0) or 0)
+        drafts = getattr(self._vllm_config, "speculative_config", None)  # positions past max_model_len
+        spec = max(0, getattr(drafts, "num_speculative_tokens", 0) or 0)
         self.steps = WorkerSteps(block_size=self.block_size, rows=self.config.max_batch,
                                  max_len=self._vllm_config.model_config.max_model_len + spec + self.block_size,
                                  device=self.canary.device)
