@@ -6,10 +6,10 @@
   prompt travels once, chunk by chunk). A token the scheduler does not know yet (async scheduling's
   newest decode token, a placeholder draft) is ``-1``.
 - :class:`WorkerSteps` (each worker): a request-pool row per request and a host mirror of its
-  block ids; per step one packed int64 array (rows, lengths, tokens, positions, slots and the
-  ``req_to_token`` cells of new blocks) copied to the device in one transfer from pinned memory,
-  one scatter of the new cells, and a :class:`~kvcanary.Batch` of views that stays the same object
-  for every step of one shape (the canary replays its launches without keying anything).
+  block ids; per step one packed int64 array (rows, lengths, tokens, positions, slots) and the
+  ``req_to_token`` cells of new blocks, copied to the device from pinned memory (two copies), one
+  scatter of the new cells, and a :class:`~kvcanary.Batch` of views that stays the same object for
+  every step of one shape (the canary replays its launches without keying anything).
 
 Nothing here reads vLLM internals: only the fields ``build_connector_meta`` is handed. Values are
 not checked on the host: a wrong block id or length becomes a wrong slot, which the canary's
@@ -117,7 +117,8 @@ class WorkerSteps:
         self.table = np.zeros((0, self.max_blocks), np.int32)  # host mirror: row -> block ids
         self.nblocks = np.zeros(0, np.int64)
         self.rtt = None
-        self.batches: dict = {}  # (bs, tokens) -> Batch of views into the device step buffer
+        self.batches: dict = {}  # (bs, tokens) -> Batch of views into `self.staged`
+        self.staged = None       # the step buffer those views are of
         self.host = None
         self.within = np.arange(block_size, dtype=np.int64)
         self.ring = None if device is None else _DeviceSteps(device, 3 * rows + 3 * 4096, 4096)
@@ -194,12 +195,7 @@ class WorkerSteps:
         cells, vals = self._cells(placed)
         u = cells.shape[0]
         words = 3 * n + 3 * t
-        if self.device is None:  # the cells ride in the step's buffer: u int64 words hold u cells and u values
-            buf = self._host(words + u)
-            pairs = buf[words:words + u].view(np.int32)
-            pairs[:u], pairs[u:] = cells, vals
-        else:
-            buf = self.ring.take(words)
+        buf = self._host(words) if self.device is None else self.ring.take(words)
         o = 3 * n
         buf[:n], buf[n:2 * n], buf[2 * n:o] = rows, computed, extend
         tokens = notes.tokens
@@ -211,7 +207,7 @@ class WorkerSteps:
         return self._stage(buf, words, n, t, cells, vals, stream)
 
     def _cells(self, placed):
-        """The ``req_to_token`` cells (flat indices) of the placed blocks and their slots, int32."""
+        """The ``req_to_token`` cells (flat indices) of the placed blocks and their slots."""
         if not placed:
             return _EMPTY, _EMPTY
         bsz = self.block_size
@@ -228,27 +224,25 @@ class WorkerSteps:
         return cells.reshape(-1), vals.reshape(-1)
 
     def _host(self, size: int):
-        """The host buffer of this step (``size`` int64 words of step arrays; on CUDA, then the cells)."""
-        if self.device is None:
-            if self.host is None or self.host.shape[0] < size:
-                self.batches.clear()
-                self.host = np.zeros(max(size, 2 * (0 if self.host is None else self.host.shape[0]), 4096), np.int64)
-            return self.host
-        return self.ring.take(size)
+        """The host canary's step buffer, of at least ``size`` int64 words (its views are the Batch's)."""
+        if self.host is None or self.host.shape[0] < size:
+            self.host = np.zeros(max(size, 2 * (0 if self.host is None else self.host.shape[0]), 4096), np.int64)
+        return self.host
 
     def _stage(self, buf, words: int, n: int, t: int, cells, vals, stream):
         o, u = 3 * n, cells.shape[0]
         if self.device is None:
             if u:
-                self.rtt.reshape(-1)[cells] = vals
+                self.rtt_flat[cells] = vals
             dev = buf
         else:
             dev = self.ring.send(buf, words, cells, vals, self.rtt_flat, stream)
-        key = (n, t, id(dev))
-        batch = self.batches.get(key)
+        if dev is not self.staged:  # a new (larger) step buffer: the views of the old one go
+            self.batches.clear()
+            self.staged = dev
+        batch = self.batches.get((n, t))
         if batch is None:
-            self.batches = {k: v for k, v in self.batches.items() if k[2] == id(dev)}
-            batch = self.batches[key] = Batch(dev[:n], dev[n:2 * n], dev[2 * n:o], self.rtt_rows,
+            batch = self.batches[(n, t)] = Batch(dev[:n], dev[n:2 * n], dev[2 * n:o], self.rtt_rows,
                                               input_ids=dev[o:o + t], positions=dev[o + t:o + 2 * t],
                                               out_cache_loc=dev[o + 2 * t:o + 3 * t])
         return batch

@@ -163,8 +163,8 @@ class Engine:
             self.update(*pending)
 
     def step(self, fault=None):
-        out, mro = done = self.execute(fault)
-        self.update(*done)
+        out, mro = self.execute(fault)
+        self.update(out, mro)
         return out
 
     def execute(self, fault=None):
