@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import kvcanary as kc
-from kvcanary import CanaryViolationError, KvCanary, PoolGroup, ValidationError
+from kvcanary import CanaryViolationError, KvCanary, PoolGroup, ValidationError, ValidationTypeError
 
 WRITES = ("HEAD_K_FULL", "HEAD_V_FULL", "TAIL_K_FULL", "TAIL_V_FULL")  # the launches that assert a write
 
@@ -212,3 +212,24 @@ def test_four_threads_stepping_one_canary_lose_no_violation():
         assert sorted(r["slot_idx"] for r in mine) == sorted(
             1 + t * steps + j for j in range(steps) if j % bad_every == bad_every - 1 for _ in WRITES)
         assert all(r["fail_reason"] == ["write_token"] for r in mine)
+
+
+def test_a_listener_without_stats_gets_every_violation_and_no_step_builds_stats(monkeypatch):
+    """Catches per-step stats built for nobody: an adapter that only wants violations (the
+    transformers client) listens with ``stats=False``; it gets each violation record and no stats
+    record, and no step builds a stats record (a numpy pass over the snapshot, every step)."""
+    from kvcanary.reporting.monitor import Monitor
+    built = []
+    original = Monitor.stats_of
+    monkeypatch.setattr(Monitor, "stats_of", lambda self, snap, step: built.append(step) or original(self, snap, step))
+    canary = make_canary()
+    records = []
+    canary.add_listener(records.append, stats=False)
+    reqs = Requests([1], 5)
+    for j in range(5):
+        step(canary, reqs.batch(bad=(j == 2)))
+    canary.flush()
+    assert [r["launch_tag"] for r in records if r["type"] == "violation"] == list(WRITES)
+    assert all(r["type"] != "stats" for r in records) and built == []
+    with pytest.raises(ValidationTypeError, match=r"add_listener\(stats=\).*True or False"):
+        canary.add_listener(records.append, stats="no")

@@ -371,3 +371,30 @@ def test_a_batch_size_that_cycles_through_many_values_is_packed_once_per_size(fa
             step(canary, batches[n], s)
     assert len(packs) == 2 * len(sizes) and 40 <= stages.LAYOUTS_KEPT  # each stage packs each size once
     fake.run()
+
+
+def test_replayed_counts_a_whole_captured_step_and_snapshots_after_it(fake):
+    """``KvCanary.replayed(stream)`` after each replay of a graph that captured a whole step (an
+    engine's graph with the canary inside: the transformers client): one snapshot launch, one
+    step, and both stages counted, so the health check holds, and fails for a replay reported
+    that never ran."""
+    canary, batch, _ = make_canary()
+    s = stream(fake)
+    step(canary, batch, s)
+    fake.run()
+    fake.capturing.add(s)
+    start = len(fake.captured)
+    step(canary, batch, s)
+    fake.capturing.clear()
+    graph = fake.captured[start:]
+    n_snap, step_no = canary.pump.launches, canary.step
+    for _ in range(3):
+        fake.replay(graph, s)
+        canary.replayed(s)
+    assert canary.pump.launches == n_snap + 3 and canary.step == step_no + 3
+    canary.flush()
+    canary.health_check()
+    canary.replayed(s)  # reported, but the graph did not run: its launches are missing
+    canary.flush()
+    with pytest.raises(Exception, match=r"HEAD_K_FULL .*ran \d+ of \d+"):
+        canary.health_check()

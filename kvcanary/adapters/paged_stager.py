@@ -14,7 +14,7 @@ from ..interop.arrays import ArrayView
 from ..ops.batch import Batch
 from ..ops.packing import KEPT, PackCache
 from ..runtime import memory
-from ..validate import integer
+from ..validate import boolean, integer
 from .stager import Stager
 
 
@@ -33,25 +33,49 @@ class PagedBatchStager(Stager):
     ``layout`` maps physical indices to canary slots (``stride``, ``page_size``, ``num_slots``, as
     :class:`~.transformers_layout.PagedLayout`). The int32 ``req_to_token`` map (``max_reqs + 1``
     rows) and the token buffers grow, doubling, when a step needs more (the host says how long the
-    longest request is: ``max_len``); more than ``max_reqs`` requests are refused. A step of one
-    shape returns the same Batch."""
+    longest request is: ``max_len``); ``max_len`` given here allocates the map for requests that
+    long now, so that steps up to that length never allocate (a step captured into a CUDA graph
+    must not). More than ``max_reqs`` requests are refused. A step of one shape returns the same Batch.
+
+    ``fixed=True``: every step returns the one Batch of the buffers' whole capacity (``max_reqs``
+    requests, ``max_tokens`` tokens, ``max_writes`` writes; expected positions at ``max_tokens``),
+    the step's tail past its own requests and tokens set after the launch to padding (requests of
+    map row 0 with no tokens, tokens 0 at position 0 writing no slot): the canary's launches are
+    then packed once for every step shape (an engine that captures each shape into a CUDA graph
+    runs the canary's packing once, not once per shape). The caller writes the expected tokens
+    into :meth:`expected_buffer` laid out the same way (ids, 0 up to ``max_tokens``, positions)."""
 
     KERNEL = "kvc_stage_paged"
     INPUTS = abi.STAGE_PAGED_INPUTS
     OPTIONAL = frozenset({"block_table", "carry_over_ids", "prev_output_ids"})
     SCALARS = ("expected",)
 
-    def __init__(self, layout, *, max_reqs: int, max_tokens: int, max_writes: int, device: int = 0):
-        self.layout = layout
+    def __init__(self, layout, *, max_reqs: int, max_tokens: int, max_writes: int, device: int = 0,
+                 max_len: int = 0, fixed: bool = False):
+        self.layout, self.fixed = layout, boolean("fixed", fixed)
+        max_len = integer("max_len", max_len, lo=0, fix="pass the longest request (cached + new tokens) to plan for")
         max_reqs = integer("max_reqs", max_reqs, lo=1, fix="pass the most requests a step schedules")
         max_tokens = integer("max_tokens", max_tokens, lo=1, fix="pass the most tokens a step schedules")
         max_writes = integer("max_writes", max_writes, lo=1, fix="pass the most tokens a step writes")
         super().__init__(device, {"rows": max_reqs, "prefix": max_reqs, "extend": max_reqs, "ids": max_tokens,
                                   "pos": max_tokens, "exp": 2 * max_tokens, "loc": max_writes})
         self.map_rows, self.req_to_token = max_reqs + 1, None  # the map: allocated by the first step
+        if max_len:
+            self._grow(max_len, 0, 0)
+
+    @property
+    def token_capacity(self) -> int:
+        """The tokens a step may carry now (a ``fixed`` Batch's token count)."""
+        return self.buffers["ids"].shape[0]
+
+    @property
+    def columns(self) -> int:
+        """The longest request the map holds now (0 before it is allocated)."""
+        return 0 if self.req_to_token is None else self.req_to_token.shape[1]
 
     def expected_buffer(self, tokens: int) -> memory.DeviceArray:
-        """The int64 buffer of a step's expected ids ``[0, tokens)`` and positions ``[tokens, 2 tokens)``."""
+        """The int64 buffer of a step's expected ids ``[0, tokens)`` and positions ``[tokens, 2 tokens)``
+        (``fixed``: ids ``[0, capacity)`` and positions ``[capacity, 2 capacity)``, :attr:`token_capacity`)."""
         if 2 * tokens > self.buffers["exp"].shape[0]:
             self._grow(0, tokens, 0)
         return self.buffers["exp"]
@@ -73,6 +97,12 @@ class PagedBatchStager(Stager):
                   prev_output_ids)
         return self._stage(arrays, (bool(expected),), stream)
 
+    def grow(self, max_len: int) -> None:
+        """A map for requests of ``max_len`` tokens now (the packed launches and Batches go, as in a
+        step that needs it; a CUDA graph that captured a step of the old map must go too)."""
+        if max_len > self.columns:
+            self._grow(max_len, 0, 0)
+
     def _grow(self, max_len: int, tokens: int, writes: int) -> None:
         """Larger buffers (doubling) for a step that needs them; the packed launches and Batches
         name the old ones, so they go too."""
@@ -84,10 +114,29 @@ class PagedBatchStager(Stager):
             if n > b[names[0]].shape[0]:
                 for name in names:
                     b[name] = z((max(n, 2 * b[name].shape[0]),), np.int64, self.device)
+        if b["exp"].shape[0] < 2 * b["ids"].shape[0]:  # expected ids and positions: one per token each
+            b["exp"] = z((2 * b["ids"].shape[0],), np.int64, self.device)
         self.packed, self.batches = PackCache(KEPT), OrderedDict()
+
+    def _batch_key(self, shape) -> tuple:
+        return (shape[3],) if self.fixed else shape  # fixed: one Batch (with or without expected tokens)
+
+    def _launched(self, shape, stream: int) -> None:
+        """``fixed``: the tail past the step's requests and tokens becomes padding (memsets on the
+        stream, in order before the canary's launches; captured with the step, they run at each replay)."""
+        if not self.fixed:
+            return
+        n, t, w, _ = shape
+        b, fill = self.buffers, memory.fill_async
+        for name, count in (("rows", n), ("prefix", n), ("extend", n), ("ids", t), ("pos", t)):
+            buf = b[name]
+            fill(buf.ptr + 8 * count, 0, 8 * (buf.shape[0] - count), stream, self.device)
+        fill(b["loc"].ptr + 8 * w, 0xFF, 8 * (b["loc"].shape[0] - w), stream, self.device)  # -1: no slot
 
     def _batch(self, s: int, n: int, t: int, w: int, expected: bool) -> Batch:
         v, rtt = self._view, self.req_to_token
+        if self.fixed:  # the whole capacity, the same for every step
+            n, t, w = self.buffers["rows"].shape[0], self.buffers["ids"].shape[0], self.buffers["loc"].shape[0]
         rows, cols = rtt.shape
         table = ArrayView(rtt.ptr, (rows, cols), (4 * cols, 4), rtt.dtype, "int32", self.device, False, rtt, s)
         exp = {}

@@ -52,6 +52,7 @@ class Stager:
         self.rt.functions.library(abi.family_of(self.KERNEL))  # loaded now, never in a stream capture of a step
         self.buffers = {name: memory.zeros((n,), np.int64, self.device) for name, n in sizes.items()}
         self.packed = PackCache(KEPT)
+        self._views = None  # the ArrayViews of the arrays the last _pack validated
         self.batches: OrderedDict = OrderedDict()  # the shape of a step -> its Batch of views
         self.launches = 0
 
@@ -61,18 +62,22 @@ class Stager:
         with self.packed.lock:  # a replay patches the shared params: patch and launch under it
             entry = None if key is None else self.packed.get(key, ptrs)
             if entry is None:
+                self._views = None
                 launch, shape = self._pack(arrays, *scalars)
                 if key is not None:  # else not keyable: validated and packed every call
-                    self.packed.put(key, [launch], objs, ptrs, (*self.INPUTS, *self.SCALARS), extra=shape)
+                    self.packed.put(key, [launch], objs, ptrs, (*self.INPUTS, *self.SCALARS), extra=shape,
+                                    views=self._views)
             else:
                 launch, shape = entry.launches[0], entry.extra
             s = streams.stream_handle(stream) if stream is not None else streams.framework_stream(arrays, self.device)
             s = driver.PER_THREAD_STREAM if s is None else s
             launch.go(s)
+            self._launched(shape, s)
             self.launches += 1
-        batch = self.batches.get((shape, s))
+        key = (self._batch_key(shape), s)
+        batch = self.batches.get(key)
         if batch is None:  # its views name the stream: a canary step given no stream runs there too
-            batch = self.batches[(shape, s)] = self._batch(s, *shape)
+            batch = self.batches[key] = self._batch(s, *shape)
             while len(self.batches) > KEPT:
                 self.batches.popitem(last=False)
         if expected_input_ids is None and expected_positions is None:
@@ -104,6 +109,7 @@ class Stager:
                                       f"got {v.describe()}. Fix: build the stager with device={v.device}")
             views.append(v)
             wide |= int(v.itemsize == 8) << i
+        self._views = views  # the packed entry's bounds come from these (no second conversion)
         return views, wide
 
     def _launch(self, params, work: int) -> Launch:
@@ -116,6 +122,13 @@ class Stager:
         if over:
             got = ", ".join(f"{k}={n} (capacity {cap})" for k, (n, cap) in over.items())
             raise ValidationError(f"kv-canary: a step of {got} does not fit the {type(self).__name__}. Fix: {fix}")
+
+    def _batch_key(self, shape) -> tuple:
+        """What tells a step's Batch apart (its shape: one Batch of views per shape)."""
+        return shape
+
+    def _launched(self, shape, stream: int) -> None:
+        """After the step's launch was enqueued on ``stream`` (a stager may enqueue more there)."""
 
     def _batch(self, stream: int, *shape) -> Batch:
         raise NotImplementedError

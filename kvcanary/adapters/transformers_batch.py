@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .. import abi
 from ..interop.arrays import ArrayView
 from ..ops.batch import Batch
+from ..runtime import driver, memory, streams
 from .paged_stager import PagedBatchStager
 
 
@@ -20,13 +23,14 @@ from .paged_stager import PagedBatchStager
 class Scheduled:
     """One step's requests as the host noted them: ``requests`` ``[(request_id, past_len, query_len)]``
     in batch order, their RequestStates, the expected tokens and positions of the new tokens in
-    order, and the longest request (past + query)."""
+    order, the longest request (past + query) and the cached tokens read."""
 
     requests: list = field(default_factory=list)
     states: list = field(default_factory=list)
     ids: list = field(default_factory=list)
     positions: list = field(default_factory=list)
     max_len: int = 0
+    cached: int = 0
 
 
 @dataclass
@@ -63,13 +67,17 @@ class StepBatches:
     CUDA ``device`` the step is staged in one launch (:class:`~.paged_stager.PagedBatchStager`: the same
     values as the torch ops below, which a host canary uses)."""
 
-    def __init__(self, layout, rows: int, device: int | None = None, tokens: int = 256):
+    def __init__(self, layout, rows: int, device: int | None = None, tokens: int = 256, max_len: int = 0,
+                 fixed: bool = False):
         self.layout, self.rows, self.rtt = layout, rows, None
-        self.stager = None if device is None else PagedBatchStager(layout, max_reqs=rows - 1, max_tokens=tokens,
-                                                                   max_writes=tokens, device=device)
+        self.stager = None if device is None else PagedBatchStager(
+            layout, max_reqs=rows - 1, max_tokens=tokens, max_writes=tokens, device=device, max_len=max_len,
+            fixed=fixed)
         self.torch_batches: dict = {}  # id(staged Batch) -> (it, its torch twin)
-        self.host = _PinnedRing()      # the expected tokens' host staging (staged path)
-        self.expected_twin = None      # (the stager's expected buffer, a torch tensor over it)
+        self.host = None if device is None else _PinnedRing(device)  # the expected tokens' staging
+        self.pinned: dict = {}  # an engine IO pair -> the pinned buffer its steps' expected tokens are written to
+        if self.stager is not None:
+            self.stager.expected_buffer(tokens)  # allocated now: a captured step must not allocate
 
     def req_to_token(self, length: int, like):
         """The persistent int32 [rows + 1, >= length] map, grown (doubling) on the host's say-so only;
@@ -80,7 +88,8 @@ class StepBatches:
             self.rtt = torch.zeros((self.rows + 1, cols), dtype=torch.int32, device=like.device)
         return self.rtt
 
-    def batch(self, data: dict, pending: Scheduled, check_inputs: bool, carry=None) -> Batch:
+    def batch(self, data: dict, pending: Scheduled, check_inputs: bool, carry=None, *, stream=None,
+              stage_expected: bool = True) -> Batch:
         """The canary Batch of a step from its model kwargs ``data`` (device tensors) and what the
         host noted of it (``pending``); ``check_inputs``: with the expected tokens and positions.
         A decode-fast-path step (``data["block_table"]``) reads and writes the cache through its
@@ -90,7 +99,9 @@ class StepBatches:
         buffers, the same object for every step of a shape (the canary replays its launches without
         keying them); :meth:`as_torch` gives its torch twin. ``carry`` (async batching): ``(carry_over_ids,
         previous output ids)``, token i being ``previous[carry_over_ids[i]]`` where that is in range,
-        as the engine's forward takes it; the engine's tensors are never written."""
+        as the engine's forward takes it; the engine's tensors are never written. ``stream``: where
+        a staged step runs (default: torch's current stream); ``stage_expected=False``: the caller
+        copied the expected tokens already (:meth:`stage_expected`, before a captured step)."""
         import torch  # on first use, as above
         cu_q, cu_k = data["cu_seq_lens_q"], data["cu_seq_lens_k"]
         if isinstance(cu_k, dict):
@@ -99,13 +110,16 @@ class StepBatches:
         table = None if table is None else table[0]  # the full-attention group's [n, cols] page entries
         if self.stager is not None:
             ids = data["input_ids"][0]
-            if check_inputs:
-                self.stage_expected(pending, int(ids.shape[0]))
+            if stream is None:  # the framework's current stream, as the stager would pick it
+                stream = streams.framework_stream((ids,), self.stager.device)
+                stream = driver.PER_THREAD_STREAM if stream is None else stream
+            if check_inputs and stage_expected:
+                self.stage_expected(pending, int(ids.shape[0]), stream)
             return self.stager(
                 cu_q=cu_q, cu_k=cu_k, read_index=whole_row(data["read_index"][0]),
                 write_index=data["write_index"][0], input_ids=ids, positions=data["position_ids"][0],
                 max_len=pending.max_len, block_table=table, carry_over_ids=None if carry is None else carry[0],
-                prev_output_ids=None if carry is None else carry[1], expected=check_inputs)
+                prev_output_ids=None if carry is None else carry[1], expected=check_inputs, stream=stream)
         cu_q, cu_k = cu_q.to(torch.int64), cu_k.to(torch.int64)
         n = int(cu_q.shape[0]) - 1
         extend = cu_q[1:] - cu_q[:-1]
@@ -171,22 +185,47 @@ class StepBatches:
             kept = self.torch_batches[id(batch)] = (batch, Batch(**fields))
         return kept[1]
 
-    def stage_expected(self, pending: Scheduled, t: int) -> None:
+    def stage_expected(self, pending: Scheduled, t: int, stream: int) -> None:
         """Copy the step's expected ids and positions (``t`` tokens; 0 past the noted ones, -1 for a
-        token the host does not know) into the stager's expected buffer, on the current stream,
-        from a pinned slot of :attr:`host` (one copy, no allocation, never waiting for the stream)."""
-        import torch  # on first use, as above
-        buf = self.stager.expected_buffer(t)
-        if self.expected_twin is None or self.expected_twin[0] is not buf:
-            self.expected_twin = (buf, torch.from_dlpack(buf))
-        host, array = self.host.buffer(2 * t)
-        m = min(t, len(pending.ids))
-        array[:m] = pending.ids[:m]
-        array[m:t] = 0
-        array[t:t + m] = pending.positions[:m]
-        array[t + m:2 * t] = 0
-        self.expected_twin[1][:2 * t].copy_(host[:2 * t], non_blocking=True)
-        self.host.copied()
+        token the host does not know) into the stager's expected buffer on ``stream`` (a handle),
+        from a pinned slot of :attr:`host`: one driver copy, no allocation, never waiting for the stream."""
+        buf = self.stager.expected_buffer(t)  # a step of more tokens than ever grows it (never a captured one)
+        _fill_expected(self.host.take(2 * t), pending, t, t)
+        self.host.send(buf.ptr, 2 * t, stream)
+
+    def pin_expected(self, pairs: int) -> None:
+        """Pinned buffers for the expected tokens of ``pairs`` engine IO pairs (allocated now: a
+        captured step must not allocate), each the size of the stager's expected buffer."""
+        for pair in range(pairs):
+            if pair not in self.pinned:
+                n = self.stager.buffers["exp"].shape[0]
+                self.pinned[pair] = memory.PinnedBuffer((n,), np.int64, self.stager.device)
+
+    def _expected_span(self, t: int) -> int:
+        """Where a step of ``t`` tokens' expected positions start (a fixed stager: its capacity)."""
+        return self.stager.token_capacity if self.stager.fixed else t
+
+    def write_expected(self, pending: Scheduled, t: int, pair: int) -> None:
+        """Write a step's expected ids and positions (as :meth:`stage_expected`; positions from
+        :meth:`_expected_span`) into IO pair ``pair``'s pinned buffer, which the step's
+        :meth:`copy_expected` (run now, or captured into the engine's graph and run at each replay)
+        copies to the device. No driver call. The engine rewrites a pair's own pinned inputs only
+        once that pair's previous step has run (its update waits for the step's outputs); this
+        buffer is written at the same point."""
+        _fill_expected(self.pinned[pair].array, pending, t, self._expected_span(t))
+
+    def copy_expected(self, t: int, pair: int, stream: int) -> None:
+        """Enqueue (or capture) the copy of pair ``pair``'s expected tokens to the stager's buffer."""
+        memory.copy_async(self.stager.buffers["exp"].ptr, self.pinned[pair].ptr, 16 * self._expected_span(t), stream,
+                          self.stager.device)
+
+    def shaped(self, data: dict, check_inputs: bool, stream: int) -> Batch | None:
+        """The staged Batch of the shape of the model inputs ``data`` on ``stream`` (a step that a
+        replayed CUDA graph staged: the Batch its capture staged), None if none was staged."""
+        cu_q, ids, pos = data["cu_seq_lens_q"], data["input_ids"][0], data["position_ids"][0]
+        shape = (int(cu_q.shape[0]) - 1, min(int(ids.shape[0]), int(pos.shape[0])),
+                 int(data["write_index"][0].shape[0]), bool(check_inputs))
+        return self.stager.batches.get((self.stager._batch_key(shape), stream))
 
     @staticmethod
     def expected(ids, pending: Scheduled):
@@ -209,6 +248,16 @@ class StepBatches:
         return exp[0], exp[1]
 
 
+def _fill_expected(array, pending: Scheduled, t: int, at: int) -> None:
+    """A step's expected ids ``[0, t)`` and positions ``[at, at + t)`` into ``array`` (0 past the
+    noted tokens, up to ``at`` and ``2 at``; -1 for a token the host does not know)."""
+    m = min(t, len(pending.ids))
+    array[:m] = pending.ids[:m]
+    array[m:at] = 0
+    array[at:at + m] = pending.positions[:m]
+    array[at + m:2 * at] = 0
+
+
 def whole_row(index):
     """The whole storage row of an engine's index tensor from its start (a 1-D contiguous view): the
     stager reads only the step's entries (``cu_seq_lens_k[n]``, on the device), so every step has
@@ -222,31 +271,35 @@ def whole_row(index):
 class _PinnedRing:
     """Pinned int64 host buffers the expected tokens are staged in, used in turn; a buffer is
     reused once the copy that last read it has run (its event), so a copy in flight is never
-    overwritten, and nothing is allocated per step. On a CPU-only torch (the emulated tests) the
-    buffers are plain host memory."""
+    overwritten, and nothing is allocated per step (kvcanary's driver layer: a copy and an event
+    record are two driver calls, no torch op)."""
 
     DEPTH = 4
 
-    def __init__(self):
-        self.buffers, self.events, self.recorded, self.turn = [], [], [], -1
+    def __init__(self, device: int):
+        self.device, self.size, self.turn = device, 0, -1
+        self.buffers: list = []
+        self.events: list = []
 
-    def buffer(self, n: int):
-        """(a free pinned tensor of >= n elements, its numpy view)."""
-        import torch  # on first use, as above
-        if not self.buffers or self.buffers[0][0].numel() < n:
-            cuda = torch.cuda.is_available()
-            size = max(n, 2 * (self.buffers[0][0].numel() if self.buffers else 0), 1024)
-            self.buffers = [(t, t.numpy()) for t in (torch.empty(size, dtype=torch.int64, pin_memory=cuda)
-                                                     for _ in range(self.DEPTH))]
-            self.events = [torch.cuda.Event() if cuda else None for _ in range(self.DEPTH)]
-            self.recorded = [False] * self.DEPTH
+    def take(self, n: int):
+        """The numpy view of a free pinned buffer of >= n elements."""
+        if n > self.size:
+            for event in self.events:  # the old buffers' copies have run before they go (a rare growth)
+                if event is not None:
+                    event.synchronize()
+            self.size = max(n, 2 * self.size, 1024)
+            self.buffers = [memory.PinnedBuffer((self.size,), np.int64, self.device) for _ in range(self.DEPTH)]
+            self.events = [None] * self.DEPTH
         self.turn = (self.turn + 1) % self.DEPTH
-        if self.events[self.turn] is not None and self.recorded[self.turn]:
-            self.events[self.turn].synchronize()  # the copy 4 steps ago: long done
-        return self.buffers[self.turn]
+        event = self.events[self.turn]
+        if event is not None:
+            event.synchronize()  # the copy DEPTH steps ago: long done
+        return self.buffers[self.turn].array
 
-    def copied(self) -> None:
-        """After the copy from the last taken buffer was enqueued on the current stream."""
-        if self.events[self.turn] is not None:
-            self.events[self.turn].record()
-            self.recorded[self.turn] = True
+    def send(self, dst: int, n: int, stream: int) -> None:
+        """Copy the first ``n`` elements of the buffer last taken to ``dst`` on ``stream``."""
+        memory.copy_async(dst, self.buffers[self.turn].ptr, 8 * n, stream, self.device)
+        event = self.events[self.turn]
+        if event is None:
+            event = self.events[self.turn] = memory.Event(self.device)
+        event.record(stream)

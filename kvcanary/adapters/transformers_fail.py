@@ -52,8 +52,9 @@ class RequestFailer:
     """Fails the requests a canary's verdicts name (see the module docstring). ``failed``: one
     record per failed request (request id, step, reasons, slots, blocks kept out of reuse)."""
 
-    def __init__(self, page_size: int):
-        self.page_size = page_size
+    def __init__(self, page_size: int, device: int | None = None):
+        self.page_size, self.device = page_size, device
+        self.spare: list = []                           # events of updated steps, recorded again by later ones
         self.steps: dict[int, tuple[list, object]] = {}  # canary step -> (request ids in batch order, event)
         self.pending: list = []                         # FailedRequests of steps not updated yet
         self.ended: dict = {}                           # id of a request failed here -> updates left to drop it
@@ -79,15 +80,21 @@ class RequestFailer:
         patch(cache, "mark_complete_blocks", mark_complete_blocks)
 
     def noted(self, step: int, request_ids: list, stream) -> None:
-        """Step ``step`` of the canary ran on these requests (after its TAIL, on ``stream``)."""
+        """Step ``step`` of the canary ran on these requests (after its TAIL, on ``stream``: a handle or
+        a torch stream; None on the host). Its event is a driver event, reused once its step is updated."""
         event = None
-        if stream is not None:
-            import torch
-            event = torch.cuda.Event()
-            event.record(stream)
+        if stream is not None and self.device is not None:
+            from ..runtime import memory
+            event = self.spare.pop() if self.spare else memory.Event(self.device)
+            event.record(stream if type(stream) is int else int(stream.cuda_stream))
         self.steps[step] = (request_ids, event)
         while len(self.steps) > KEEP_STEPS:  # steps the engine never updated (none expected): the oldest go
-            del self.steps[min(self.steps)]
+            self._forget_step(min(self.steps))
+
+    def _forget_step(self, step: int) -> None:
+        event = self.steps.pop(step)[1]
+        if event is not None:
+            self.spare.append(event)
 
     def update(self, processor, canary, out):
         """``prepare_batch_update``'s (requests, tokens, logprobs) with failed requests failed and dropped."""
@@ -106,7 +113,7 @@ class RequestFailer:
                 if 0 <= f.batch_index < len(noted):
                     self._fail(processor, noted[f.batch_index], f)
             for s in [s for s in self.steps if s <= step]:
-                del self.steps[s]
+                self._forget_step(s)
         dropped, seen = set(self.ended), set(ids)
         # an id is dropped while updates carry it and for one more (async batching launched the next
         # step before this update), then forgotten: a later request with that id is the engine's again

@@ -234,16 +234,21 @@ class KvCanary:
         with self._lock:
             return self.monitor.stats()
 
-    def add_listener(self, callback) -> None:
+    def add_listener(self, callback, *, stats: bool = True) -> None:
         """Call ``callback(record)`` with every record the export target gets: one dict per
         violation (``type="violation"``, the fields of docs/format.md §10 plus ``step``) and one per
         reported step (``type="stats"``, the keys of :meth:`stats`). A listener that raises is
-        logged once and counted in ``export_errors``; no listener costs nothing."""
+        logged once and counted in ``export_errors``; no listener costs nothing. ``stats=False``:
+        every record but the per-step stats, which then cost nothing (they are built per step only
+        for a listener or an export target that takes them)."""
         if not callable(callback):
             raise ValidationTypeError(f"kv-canary: add_listener needs a callable, got {type(callback).__name__}. "
                                       f"Fix: pass a function taking one dict")
+        if type(stats) is not bool:
+            fail("add_listener(stats=)", "True or False", stats, "pass stats=False for violation records only",
+                 kind=ValidationTypeError)
         with self._lock:
-            self.reporter.listeners.append(callback)
+            (self.reporter.listeners if stats else self.reporter.event_listeners).append(callback)
 
     def health_check(self) -> None:
         """Raise if a launch that should have run has not advanced its kernel_run_counter, or if a
@@ -262,6 +267,15 @@ class KvCanary:
                 out[k.stage, k.group, k.half] = np.array(arr) if isinstance(arr, np.ndarray) else arr.numpy()
         return out
 
+    def replayed(self, stream: int) -> None:
+        """After a replay, on ``stream`` (a raw handle, not capturing), of a graph that captured a
+        whole step (HEAD and TAIL): :meth:`record_replay` and :meth:`poll` in one call, the step's
+        host cost after a replay (one snapshot launch)."""
+        with self._lock:
+            if self.mode != "none":  # mode "none" captures no launch
+                self.monitor.replayed(STAGES)
+            self.monitor.report(stream, advance=True)
+
     def record_replay(self, stages=STAGES) -> None:
         """Tell the health check that a captured graph holding these stages was replayed (a
         capture itself counts nothing)."""
@@ -272,4 +286,4 @@ class KvCanary:
         if not set(stages) <= set(STAGES):
             fail("record_replay(stages=)", f"a subset of {STAGES}", stages, "pass stages=('HEAD', 'TAIL')")
         with self._lock:
-            self.monitor.count([i for i, k in enumerate(self.keys) if k.stage in stages])
+            self.monitor.replayed(tuple(stages))

@@ -212,10 +212,14 @@ class PackCache:
             entry.retarget(ptrs)
         return entry
 
-    def put(self, key, launches, objs, ptrs, names, extra=None) -> Packed:
-        """Keep ``launches``, packed (and so validated) from the arguments ``objs`` at ``ptrs``."""
+    def put(self, key, launches, objs, ptrs, names, extra=None, views=None) -> Packed:
+        """Keep ``launches``, packed (and so validated) from the arguments ``objs`` at ``ptrs``;
+        ``views``: the packing's own ArrayViews of them where it made them (None: made here)."""
         names = (*names, *(f"argument {i}" for i in range(len(names), len(objs))))  # a Batch subclass's extras
-        bounds = tuple((0, 0) if p is None else _bounds(as_view(o, name=n)) for o, p, n in zip(objs, ptrs, names))
+        views = views or ()
+        bounds = tuple((0, 0) if p is None else _bounds(views[i] if i < len(views) and views[i] is not None
+                                                      else as_view(o, name=n))
+                       for i, (o, p, n) in enumerate(zip(objs, ptrs, names)))
         entry = self.entries[key] = Packed(launches, ptrs, bounds, names, extra)
         while len(self.entries) > self.kept:
             self.entries.popitem(last=False)

@@ -34,6 +34,7 @@ class Monitor:
         self.ledger = RingLedger(ring_capacity)
         self.step = 0
         self.expected = np.zeros(len(self.keys), np.int64)
+        self._replays: dict = {}  # stages -> the increments of one replay (replayed)
         self.stage_runs = [0, 0]
         self.masks = [np.array([k.stage == st for k in self.keys], np.int64) for st in STAGES]
         self.last = None  # (newest snapshot processed, its meta)
@@ -72,6 +73,16 @@ class Monitor:
         expected = self.expected.copy()
         expected[indices] += 1
         self.expected = expected
+
+    def replayed(self, stages: tuple) -> None:
+        """One more run of every launch of ``stages`` (a replayed graph that captured them): one
+        array addition, its increments kept per stages (a new array: metas keep the old)."""
+        inc = self._replays.get(stages)
+        if inc is None:
+            inc = np.zeros_like(self.expected)
+            inc[[i for i, k in enumerate(self.keys) if k.stage in stages]] = 1
+            self._replays[stages] = inc
+        self.expected = self.expected + inc
 
     def report(self, stream, advance: bool) -> None:
         """Report the snapshots completed so far, then snapshot again on ``stream`` (None: no new

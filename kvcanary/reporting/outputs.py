@@ -81,6 +81,7 @@ class Reporter:
         self.mode = choice("mode", mode, MODES)
         self.export = Exporter(export)
         self.listeners: list[Callable[[dict], None]] = []
+        self.event_listeners: list[Callable[[dict], None]] = []  # every record but the per-step stats
 
     @property
     def wants_stats(self) -> bool:
@@ -91,6 +92,9 @@ class Reporter:
         self.export(record)
         for listener in self.listeners:
             self.export._guard("listener", listener, record)
+        if self.event_listeners and record.get("type") != "stats":
+            for listener in self.event_listeners:
+                self.export._guard("listener", listener, record)
 
     def violations(self, rows: list[Violation], step: int, lost: int, overflow_total: int) -> None:
         """New rows and ``lost`` new violations the ring could not hold (``overflow_total`` so far)."""

@@ -133,6 +133,16 @@ class DeviceRuntime:
         finally:
             self.leave(pushed)
 
+    def hot(self, fn, *args):
+        """:meth:`call` for a call made every step (a copy, an event): with one device it is made
+        first as it is, and again with the context made current only if the driver refuses it for
+        want of one (as :meth:`launch` does)."""
+        if self.sole:
+            res = fn(*args)
+            if not res[0] or int(res[0]) not in _CONTEXT_ERRORS:
+                return res
+        return self.call(fn, *args)
+
     def cu_stream(self, stream: int):
         """The CUstream object of a raw handle, built once per handle (building one costs ~1 us)."""
         s = self._streams.get(stream)

@@ -149,8 +149,14 @@ def to_device(host: np.ndarray, device: int = 0) -> DeviceArray:
 
 def copy_async(dst_ptr: int, src_ptr: int, nbytes: int, stream: int, device: int) -> None:
     """Any-direction async copy under unified addressing (device, pinned host)."""
-    d = driver._driver()
-    check(driver.runtime(device).call(d.cuMemcpyAsync, dst_ptr, src_ptr, nbytes, stream), "cuMemcpyAsync")
+    check(driver.runtime(device).hot(driver._driver().cuMemcpyAsync, dst_ptr, src_ptr, nbytes, stream), "cuMemcpyAsync")
+
+
+def fill_async(ptr: int, byte: int, nbytes: int, stream: int, device: int) -> None:
+    """Set ``nbytes`` bytes at ``ptr`` to ``byte`` on ``stream`` (capturable: a memset node)."""
+    if nbytes > 0:
+        check(driver.runtime(device).hot(driver._driver().cuMemsetD8Async, ptr, byte, nbytes, stream),
+              "cuMemsetD8Async")
 
 
 def copy_from_host_ptr(dst_ptr: int, host: np.ndarray, device: int) -> None:
@@ -205,18 +211,18 @@ class Event:
         self.handle = check(self.rt.call(d.cuEventCreate, flags), "cuEventCreate")
 
     def record(self, stream: int) -> None:
-        check(self.rt.call(driver._driver().cuEventRecord, self.handle, stream), "cuEventRecord")
+        check(self.rt.hot(driver._driver().cuEventRecord, self.handle, stream), "cuEventRecord")
 
     def done(self) -> bool:
         d = driver._driver()
-        (err,) = self.rt.call(d.cuEventQuery, self.handle)
+        (err,) = self.rt.hot(d.cuEventQuery, self.handle)
         if err == d.CUresult.CUDA_ERROR_NOT_READY:
             return False
         check((err,), "cuEventQuery")
         return True
 
     def synchronize(self) -> None:
-        check(self.rt.call(driver._driver().cuEventSynchronize, self.handle), "cuEventSynchronize")
+        check(self.rt.hot(driver._driver().cuEventSynchronize, self.handle), "cuEventSynchronize")
 
 
 def new_stream(device: int) -> int:

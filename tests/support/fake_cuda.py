@@ -97,6 +97,20 @@ class FakeDriver:
                 if hasattr(holder, "snap") and holder.snap[0].done:  # the step's last launch takes the snapshot
                     _snapshot(holder.snap[0])
 
+    def replay(self, ops: list, stream: int) -> None:
+        """Run a captured sequence (``captured`` entries: launches, memcpy and memset nodes, and
+        callables a test put there) in order on ``stream``, as a graph replay runs its nodes."""
+        for op in ops:
+            if callable(op):
+                op()
+            elif op[0] == "memcpy":
+                ctypes.memmove(op[1], op[2], op[3])
+            elif op[0] == "memset":
+                ctypes.memset(op[1], op[2], op[3])
+            else:
+                self.pending[stream].append(op)
+                self.run(stream)
+
     def _alloc(self, nbytes: int) -> int:
         buf = ctypes.create_string_buffer(max(int(nbytes), 1))
         addr = ctypes.addressof(buf)
@@ -196,6 +210,9 @@ class FakeDriver:
         return self._free(ptr, "cuMemFreeHost")
 
     def cuMemsetD8Async(self, ptr, value, nbytes, stream):
+        if int(stream) in self.capturing:  # a memset node: runs at each replay
+            self.captured.append(("memset", int(ptr), int(value), int(nbytes)))
+            return (OK,)
         ctypes.memset(int(ptr), value, nbytes)
         return (OK,)
 
@@ -205,6 +222,9 @@ class FakeDriver:
         return (OK,)
 
     def _copy(self, dst, src, nbytes, stream=None):
+        if stream is not None and int(stream) in self.capturing:  # a memcpy node: runs at each replay
+            self.captured.append(("memcpy", int(dst), int(src), int(nbytes)))
+            return (OK,)
         ctypes.memmove(int(dst), int(src), nbytes)
         return (OK,)
 

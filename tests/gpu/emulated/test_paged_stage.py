@@ -255,3 +255,37 @@ def test_step_batches_stage_on_the_device_and_hand_over_torch_tensors(emulated_d
     longer, long_pending = step_data(31, 5, longest=600)  # the map grows: the old Batch and its twin go
     sb.as_torch(sb.batch(as_device(longer), long_pending, check_inputs=False))
     assert len(sb.torch_batches) == 1 and all(b is not got for _, b in sb.torch_batches.values())
+
+
+def test_a_fixed_stager_hands_one_batch_of_its_capacity_for_every_shape():
+    """Catches a canary that packs its launches once per step shape (about 1 ms of host time each on
+    a slow host, every shape an engine captures): a ``fixed`` stager returns one Batch of its whole
+    capacity for steps of any shape, the step's own entries equal to the torch path's and the tail
+    padding (map row 0, no tokens; tokens 0 at position 0 writing no slot), also where a larger step
+    left its values before; expected positions start at the capacity."""
+    stager = PagedBatchStager(LAYOUT, max_reqs=16, max_tokens=96, max_writes=96, fixed=True)
+    got = []
+    for seed, n, longest, hostile, pad in ((40, 9, 300, False, 3), (41, 2, 40, True, 0), (42, 5, 40, False, 2)):
+        data, pending = step_data(seed, n, longest=longest, hostile=hostile, pad=pad)
+        reference = StepBatches(LAYOUT, 17).batch(as_torch(data), pending, check_inputs=False)
+        batch = staged(stager, as_device(data), pending)
+        got.append(batch)
+        b = stager.buffers
+        assert batch.req_pool_indices.shape == (16,) and batch.input_ids.shape == (96,)
+        assert batch.out_cache_loc.shape == (96,)
+        full = dict(req_pool_indices=b["rows"].numpy(), prefix_lens=b["prefix"].numpy(),
+                    extend_lens=b["extend"].numpy(), input_ids=b["ids"].numpy(), positions=b["pos"].numpy(),
+                    out_cache_loc=b["loc"].numpy())
+        for k in ("req_pool_indices", "prefix_lens", "extend_lens", "input_ids", "positions", "out_cache_loc"):
+            want = getattr(reference, k).numpy()
+            np.testing.assert_array_equal(full[k][:len(want)], want.astype(np.int64), err_msg=k)
+            pad_value = -1 if k == "out_cache_loc" else 0
+            assert (full[k][len(want):] == pad_value).all(), k
+    assert got[0] is got[1] is got[2] and len(stager.packed) == 3
+    with_expected = stager(**_staged_args(as_device(step_data(43, 3)[0])), max_len=40, expected=True)
+    assert with_expected.expected_positions.ptr == stager.buffers["exp"].ptr + 8 * 96
+
+
+def _staged_args(dev):
+    return dict(cu_q=dev["cu_seq_lens_q"], cu_k=dev["cu_seq_lens_k"], read_index=dev["read_index"][0],
+                write_index=dev["write_index"][0], input_ids=dev["input_ids"][0], positions=dev["position_ids"][0])
