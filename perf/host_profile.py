@@ -144,7 +144,7 @@ def rows(torch, only):
             qsl = torch.arange(max_reqs + 1, dtype=torch.int32, device=DEV[0]) * extend
             b = w.fields
             t = bs * extend
-            slot_mapping = torch.full((2 * t,), -1, dtype=torch.int64)
+            slot_mapping = torch.full((2 * t,), -1, dtype=torch.int64, device=DEV[0])
             slot_mapping[:t] = b["out_cache_loc"]
             ids = torch.zeros(2 * t, dtype=torch.int32, device=DEV[0])
             ids[:t] = b["input_ids"]

@@ -85,9 +85,18 @@ def forward_batches(torch, w, mode: str):
     return sglang_forward_batches(torch, b, mode, PREBUILT)
 
 
-def time_steps(report, timer, bounds, canary, make_batch, name: str, other_launches=lambda: 0):
+def time_steps(report, timer, bounds, canary, make_batch, name: str, other_launches=lambda: 0) -> float:
     """Host time per eager step of make_batch() + before_forward + after_forward, against the
     launches per step (the canary's, plus ``other_launches()`` counted by the batch's maker)."""
+    t, n = measure_steps(report, timer, canary, make_batch, other_launches)
+    report.row(f"host path: {name}", t, "s", bound=n * bounds.launch_floor,
+               bound_name=f"{n:.3g} launches per step x raw launch floor", target=TARGET, launches_per_step=n,
+               python_calibration_s=bounds.python_speed, python_calibrations=t / bounds.python_speed)
+    return t
+
+
+def measure_steps(report, timer, canary, make_batch, other_launches=lambda: 0) -> tuple[float, float]:
+    """(host seconds per eager step of make_batch() + before_forward + after_forward, launches per step)."""
     calls = [0]
 
     def step():
@@ -103,9 +112,33 @@ def time_steps(report, timer, bounds, canary, make_batch, name: str, other_launc
     n = (canary.launch_count + other_launches() - n0) / (calls[0] - c0)
     canary.flush()
     assert canary.stats()["violations"] == 0, "the benchmark workload must step clean"
-    report.row(f"host path: {name}", t, "s", bound=n * bounds.launch_floor,
-               bound_name=f"{n:.3g} launches per step x raw launch floor", target=TARGET, launches_per_step=n,
-               python_calibration_s=bounds.python_speed, python_calibrations=t / bounds.python_speed)
+    return t, n
+
+
+STAGER_TARGET = ("<=", 2.0)  # issue 46: a stager's step <= 2x the manager's own step, same canary, same run
+
+
+def canary_step(canary, make_batch, stream: int):
+    """One eager step of the canary on make_batch()'s Batch (what every host row times)."""
+    def step():
+        batch = make_batch()
+        canary.before_forward(batch, stream=stream)
+        canary.after_forward(batch, stream=stream)
+    return step
+
+
+def stager_against_manager(report, timer, bounds, canary, staged_step, name: str):
+    """Issue 46's row: the stager's step on fresh engine tensors against the manager's step on one
+    reused Batch (the stager's own: the manager's host path alone), both on this canary, timed
+    interleaved in this run (``timer.host_time``)."""
+    reused = staged_step()
+    t = timer.host_time({"staged": canary_step(canary, staged_step, timer.handle),
+                         "manager": canary_step(canary, lambda: reused, timer.handle)}, batch=10, repeat=15)
+    canary.flush()
+    assert canary.stats()["violations"] == 0, "the benchmark workload must step clean"
+    report.row(f"host path: {name} step vs the manager step", t["staged"], "s", bound=t["manager"],
+               bound_name="the manager's step on one reused Batch, same canary, interleaved", target=STAGER_TARGET,
+               manager_s=t["manager"], launch_floor_s=bounds.launch_floor)
 
 
 def test_python_speed_calibration(report, bounds):
@@ -139,6 +172,9 @@ def test_manager_host_path(report, workloads, timer, bounds, shape, how):
         make = lambda: stager(next(fbs))  # noqa: E731
         staged = lambda: stager.launches  # noqa: E731
     time_steps(report, timer, bounds, canary, make, f"manager, {how}, {w.label}", other_launches=staged)
+    if how == "SglangBatchStager":
+        stager_against_manager(report, timer, bounds, canary, make, f"SglangBatchStager (a new ForwardBatch's "
+                               f"tensors every step), {w.label}")
 
 
 @pytest.mark.parametrize("how", ["vllm_batch", "VllmBatchStager"])
@@ -188,6 +224,13 @@ def test_vllm_persistent_buffers_sliced_per_step(report, workloads, timer, bound
 
     time_steps(report, timer, bounds, canary, staged, f"manager, VllmBatchStager (persistent buffers sliced), "
                f"{w.label}", other_launches=lambda: stager.launches)
+    # The engine slices its buffers for its own attention metadata every step: the slices are the
+    # engine's (new tensor objects every step, prebuilt here), the stager's cost is what it does with them.
+    slices = itertools.cycle([dict(block_table=table[:bs], seq_lens=seq[:bs], query_start_loc=qsl[:bs + 1],
+                                   slot_mapping=slot_mapping[:t], input_ids=ids[:t], positions=pos[:t])
+                              for _ in range(PREBUILT)])
+    stager_against_manager(report, timer, bounds, canary, lambda: stager(**next(slices), stream=h),
+                           f"VllmBatchStager (the engine's per-step slices of its persistent buffers), {w.label}")
 
 
 @pytest.mark.parametrize("shape", ["decode-bs1", "decode-bs64", "decode-bs256"])
@@ -292,3 +335,21 @@ def test_transformers_canary_generation(report, bounds, how):
 def _last_of_each_run(seen: list) -> list:
     """The launch count at the last step of each generation (each generation's canary counts from 0)."""
     return [n for i, n in enumerate(seen) if i + 1 == len(seen) or seen[i + 1] < n]
+
+
+def test_step_keying_against_cuda_core_views(report, timer):
+    """Issue 46: what the per-step path pays to key an engine's fresh tensors (a stager's inputs:
+    ``kvcanary.ops.packing.arg_keys`` reads each tensor's layout and address) against what
+    cuda-python's own ``cuda.core`` view would cost (``StridedMemoryView``, through DLPack, with
+    stream ordering), for the 7 tensors of an SGLang decode step, timed interleaved. The bound is
+    the cuda.core side: a ratio below 1 says kvcanary's keying is the cheaper per step."""
+    torch = torch_or_skip()
+    core = pytest.importorskip("cuda.core.utils")
+    from kvcanary.ops.packing import arg_keys
+    tensors = [torch.zeros(64, dtype=torch.int64, device="cuda") for _ in range(7)]
+    s = timer.handle
+    keys, views = report.host(lambda: arg_keys(tensors), batch=50, rounds=15,
+                              interleave=lambda: [core.StridedMemoryView(x, stream_ptr=s) for x in tensors])
+    report.row("host path: keying a step's 7 fresh tensors (arg_keys) vs cuda.core StridedMemoryView of them",
+               keys, "s", bound=views, bound_name="cuda.core.utils.StridedMemoryView x 7, interleaved",
+               target=("<=", 1.0))

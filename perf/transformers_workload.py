@@ -9,11 +9,14 @@ layers, hidden 1024) and ``4x256``. Each generation builds its manager anew (war
 captures included), as ``generate_batch`` does.
 
     python -m perf.transformers_workload [--model 8x1024] [--engine fast] [--layers first|all|none]
-                                         [--rounds 3] [--profile PATH]
+                                         [--mode log|fail_request] [--rounds 3] [--profile PATH]
+                                         [--cprofile PATH]
 
 prints the wall time of each round, the canary's steps and its host time by part
 (``TransformersCanary.host_seconds``); ``--profile PATH`` runs the torch profiler (CPU and CUDA)
-over the last round and writes its tables by self CPU and self CUDA time to PATH.
+over the last round and writes its tables by self CPU and self CUDA time to PATH; ``--cprofile PATH``
+runs cProfile in the generation loop's thread during the last round and writes its statistics (the
+kvcanary functions by cumulative time, then every function by own time) to PATH.
 """
 
 from __future__ import annotations
@@ -49,6 +52,44 @@ def build(model: str):
 
 
 LOOPS: list = []  # seconds of each generation loop run (the background thread's), appended by the wrapper
+PROFILE: list = []  # a cProfile.Profile to run in the next generation loop's thread (--cprofile)
+PARTS: dict = {}  # "Class.method" -> [calls, seconds] (--parts)
+
+
+def time_parts() -> None:
+    """Wrap the methods a canary step goes through (on their classes, once) to add up their calls
+    and host seconds in :data:`PARTS`: where a step's host time goes, without cProfile's overhead."""
+    from kvcanary.adapters import transformers_batch, transformers_fail, transformers_paged
+    from kvcanary.manager.canary import KvCanary
+    from kvcanary.reporting.monitor import Monitor
+    targets = [(transformers_paged.TransformersCanary, ("_note_requests", "_step", "_step_around")),
+               (transformers_batch.StepBatches, ("batch", "stage_expected", "shaped")),
+               (transformers_batch._PinnedRing, ("take", "send")),
+               (transformers_fail.RequestFailer, ("noted", "update")),
+               (KvCanary, ("before_forward", "after_forward", "poll", "record_replay")),
+               (Monitor, ("report",))]
+    try:
+        import torch
+        targets.append((torch.cuda.CUDAGraph, ("replay",)))
+    except ImportError:
+        pass
+    for cls, names in targets:
+        for name in names:
+            original = getattr(cls, name, None)
+            if original is None or getattr(original, "_kvcanary_part", False):
+                continue
+            key = f"{cls.__name__}.{name}"
+
+            def part(*args, _original=original, _key=key, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return _original(*args, **kwargs)
+                finally:
+                    entry = PARTS.setdefault(_key, [0, 0.0])
+                    entry[0] += 1
+                    entry[1] += time.perf_counter() - t0
+            part._kvcanary_part = True
+            setattr(cls, name, part)
 
 
 def time_the_loop() -> None:
@@ -62,11 +103,16 @@ def time_the_loop() -> None:
     original = M._run_generation_loop
 
     def timed(self, *args, **kwargs):
+        prof = PROFILE.pop() if PROFILE else None
+        if prof is not None:
+            prof.enable()
         t0 = time.perf_counter()
         try:
             return original(self, *args, **kwargs)
         finally:
             LOOPS.append(time.perf_counter() - t0)
+            if prof is not None:
+                prof.disable()
     timed._kvcanary_timed = True
     M._run_generation_loop = timed
 
@@ -108,11 +154,16 @@ def main() -> None:
     ap.add_argument("--model", default="8x1024", choices=MODELS)
     ap.add_argument("--engine", default="fast", choices=ENGINES)
     ap.add_argument("--layers", default="first", choices=["first", "all", "none"])
+    ap.add_argument("--mode", default="log", choices=["log", "fail_request"])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--profile", default=None, help="write cProfile stats of the last round here")
+    ap.add_argument("--profile", default=None, help="write the torch profiler's tables of the last round here")
+    ap.add_argument("--cprofile", default=None, help="write cProfile stats of the last round's loop thread here")
+    ap.add_argument("--parts", action="store_true", help="print each round's host time by canary method")
     a = ap.parse_args()
+    if a.parts:
+        time_parts()
     model, prompts = build(a.model)
-    tc = canary_for(model, None if a.layers == "none" else a.layers)
+    tc = canary_for(model, None if a.layers == "none" else a.layers, mode=a.mode)
     generate(model, prompts, a.engine, tc)  # warm-up: kernels, allocator, compiles
     for i in range(a.rounds):
         last = i == a.rounds - 1 and a.profile
@@ -122,6 +173,11 @@ def main() -> None:
             acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
             prof = torch.profiler.profile(activities=acts)
             prof.__enter__()
+        cprof = None
+        if i == a.rounds - 1 and a.cprofile:
+            import cProfile
+            cprof = cProfile.Profile()
+            PROFILE.append(cprof)
         steps0 = tc.steps if tc is not None else 0
         host0 = dict(tc.host_seconds) if tc is not None else {}
         t, loop, _ = generate(model, prompts, a.engine, tc)
@@ -133,9 +189,23 @@ def main() -> None:
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
         steps = (tc.steps - steps0) if tc is not None else 0
         host = {k: v - host0.get(k, 0.0) for k, v in (tc.host_seconds.items() if tc is not None else ())}
-        print(f"round {i}: {a.model} {a.engine} layers={a.layers}: {t:.3f} s ({loop:.3f} s in the loop), {steps} "
-              f"canary steps, canary host "
+        per_step = sum(host.get(k, 0.0) for k in ("notes", "batch", "head", "tail")) / max(steps, 1)
+        print(f"round {i}: {a.model} {a.engine} layers={a.layers} mode={a.mode}: {t:.3f} s ({loop:.3f} s in the "
+              f"loop), {steps} canary steps, hooks {per_step * 1e6:.1f} us/step; canary host "
               + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in host.items()))
+        if a.parts:
+            print("  parts (calls, us per step): " + ", ".join(
+                f"{k} {n} {sec / max(steps, 1) * 1e6:.1f}" for k, (n, sec) in sorted(PARTS.items())))
+            PARTS.clear()
+        if cprof is not None:
+            import io
+            import pstats
+            text = io.StringIO()
+            stats = pstats.Stats(cprof, stream=text)
+            stats.sort_stats("cumulative").print_stats("kvcanary", 45)
+            stats.sort_stats("tottime").print_stats(45)
+            with open(a.cprofile, "w") as f:
+                f.write(text.getvalue())
 
 if __name__ == "__main__":
     main()
