@@ -578,3 +578,31 @@ def test_a_persistent_manager_is_checked_in_every_attach():
     (steps1, _, verified1), (steps2, shared2, verified2) = runs
     assert steps1 > 0 and steps2 > 0 and verified2 > 0, runs
     assert shared2 >= PAGE, "expected the second generation to read the first one's prefix blocks"
+
+
+def test_a_new_canary_on_a_reused_cache_recomputes_its_cached_prefixes():
+    """Catches false reports on a persistent manager: a second TransformersCanary (other settings,
+    so it cannot adopt the first one's records) attached to the engine's reused cache read every
+    prefix block the first one had stamped as corrupted (7552 violation rows here, each one a
+    request failed in mode fail_request). The new canary drops those blocks from prefix reuse, so
+    they are recomputed and stamped by it: no report, the same tokens."""
+    model = make_model("cpu")
+    prompts = make_prompts(6, seed=9, longest=30)
+    gen = transformers.GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=-1)
+    cb = transformers.ContinuousBatchingConfig(page_size=PAGE, num_blocks=128, max_batch_tokens=64,
+                                               max_requests_per_batch=8, **CONFIG)
+    outputs, canaries = [], []
+    try:
+        for layers in ("first", "all"):
+            tc = TransformersCanary(model, layers=layers)
+            with tc:
+                out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb,
+                                           persistent_manager=True)
+            outputs.append(_in_order(out))
+            canaries.append(tc)
+    finally:
+        model.destroy_cached_continuous_batching_manager()
+    first, second = canaries
+    assert first.prefix_shared_tokens > 0, "expected shared prefixes within the first generation"
+    assert second.detections == [] and second.summary()["verified_slots"] > 0
+    assert outputs[1] == outputs[0]

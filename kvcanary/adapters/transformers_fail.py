@@ -160,14 +160,7 @@ class RequestFailer:
 
     @staticmethod
     def _forget(alloc, block: int) -> None:
-        """Block ``block`` of ``alloc`` no longer matches any prefix; unreferenced, it goes back to the pool."""
-        ledger = alloc.ledger
-        h = ledger.block_to_hash.pop(block, None)
-        if h is not None and ledger.hash_to_block.get(h) == block:
-            del ledger.hash_to_block[h]
-        if block in ledger.cached_blocks:
-            del ledger.cached_blocks[block]
-            alloc.pool.free_blocks(alloc.index, [block])
+        forget_block(alloc, block)
 
     def guard(self, cache) -> None:
         """After ``mark_complete_blocks``: poisoned blocks another request still holds lose the hash it
@@ -180,3 +173,30 @@ class RequestFailer:
                 self._forget(alloc, b)
                 if b not in held:
                     blocks.discard(b)
+
+
+def forget_block(alloc, block: int) -> None:
+    """Block ``block`` of ``alloc`` no longer matches any prefix; unreferenced, it goes back to the pool."""
+    ledger = alloc.ledger
+    h = ledger.block_to_hash.pop(block, None)
+    if h is not None and ledger.hash_to_block.get(h) == block:
+        del ledger.hash_to_block[h]
+    if block in ledger.cached_blocks:
+        del ledger.cached_blocks[block]
+        alloc.pool.free_blocks(alloc.index, [block])
+
+
+def forget_prefix_cache(cache) -> int:
+    """Drop every block of the cache's prefix cache (transformers 5.18-5.24's allocator ledgers): the
+    blocks a new canary has no records for (stamped under another canary, or under none) are then
+    recomputed, not read as a cached prefix. Returns how many blocks were dropped."""
+    dropped = 0
+    for alloc in getattr(cache, "cache_allocators", {}).values():
+        ledger = getattr(alloc, "ledger", None)
+        if ledger is None or not hasattr(ledger, "block_to_hash"):
+            continue
+        for block in list(ledger.block_to_hash) + [b for b in list(ledger.cached_blocks)
+                                                   if b not in ledger.block_to_hash]:
+            forget_block(alloc, block)
+            dropped += 1
+    return dropped

@@ -29,6 +29,7 @@ blocks without their records and are refused.
 
 from __future__ import annotations
 
+import logging
 from contextlib import nullcontext
 from time import perf_counter
 
@@ -38,8 +39,11 @@ from ..reporting.outputs import MODES
 from ..validate import boolean, callable_or_none, choice, fail, hash_mode as parse_hash_mode
 from .common import canary_kwargs, check_layers
 from .transformers_batch import Scheduled, StepBatches, StepInfo, tokens
-from .transformers_fail import RequestFailer, check_engine
+from .transformers_fail import RequestFailer, check_engine, forget_prefix_cache
 from .transformers_layout import PagedLayout, check_transformers_version
+
+
+log = logging.getLogger("kvcanary")
 
 
 def _cache_device(cache) -> int | None:
@@ -202,6 +206,12 @@ class TransformersCanary:
             # on, so its canary records do too (a new canary would report every block stamped before)
             _, self.canary, self._batches, self.cache, self.layout, self._session, self._failer = kept
         else:
+            # a new canary holds no records: cached prefix blocks of this cache (a persistent manager's,
+            # stamped under another canary or under none) would read as corrupted; they are recomputed
+            dropped = forget_prefix_cache(cache)
+            if dropped:
+                log.info("kv-canary: %d cached prefix blocks of a reused cache dropped from prefix reuse (a new "
+                         "canary has no records for them); their prompts are recomputed", dropped)
             layout = PagedLayout(cache)
             k, v = layout.sources(self.layers)
             device = _cache_device(cache)
