@@ -606,3 +606,34 @@ def test_a_new_canary_on_a_reused_cache_recomputes_its_cached_prefixes():
     assert first.prefix_shared_tokens > 0, "expected shared prefixes within the first generation"
     assert second.detections == [] and second.summary()["verified_slots"] > 0
     assert outputs[1] == outputs[0]
+
+
+def test_the_canary_keeps_nothing_per_request_it_has_seen():
+    """Catches host memory that grows with every request a server ever ran: the canary used to keep
+    each request id in a set (to count requests and spot a request's first step). 20 000 requests
+    noted in steps of 32 must leave the canary's retained memory flat, and still be counted once
+    each, with the cached tokens of their first step counted as shared prefix."""
+    import gc
+    import tracemalloc
+    from types import SimpleNamespace
+    tc = TransformersCanary(make_model("cpu"))
+
+    def step(first: int):
+        batch = []
+        for i in range(first, first + 32):
+            state = SimpleNamespace(request_id=f"req_{i}", initial_tokens=[1] * 40, generated_tokens=[],
+                                    position_offset=17)
+            batch.append(SimpleNamespace(state=state, query_length=1))
+        tc._note_requests(batch)
+        tc._note_requests(batch)  # the same requests' next step: not new
+    step(0)
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for first in range(32, 20_000, 32):
+        step(first)
+    gc.collect()
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert tc.requests == 20_000 and tc.prefix_shared_tokens == 20_000 * 16
+    assert grown < 64 << 10, f"the canary's memory grew by {grown} bytes over 20 000 requests"

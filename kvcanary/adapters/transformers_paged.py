@@ -30,6 +30,7 @@ blocks without their records and are refused.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from contextlib import nullcontext
 from time import perf_counter
 
@@ -44,6 +45,7 @@ from .transformers_layout import PagedLayout, check_transformers_version
 
 
 log = logging.getLogger("kvcanary")
+STEP_LOG = 4096  # steps TransformersCanary.step_log keeps (a server runs for ever)
 
 
 def _cache_device(cache) -> int | None:
@@ -114,9 +116,10 @@ class TransformersCanary:
         self.canary: KvCanary | None = None
         self.cache = self.layout = None
         self.steps, self.prefix_shared_tokens = 0, 0  # the latter: cached tokens of requests admitted with past > 0
-        self.requests: set = set()
+        self.requests = 0  # requests seen (each marked on its RequestState: nothing kept per request here)
+        self._seen = object()  # the mark
         self.detections: list[dict] = []
-        self.step_log: list[dict] = []
+        self.step_log: deque = deque(maxlen=STEP_LOG)  # the newest steps' sizes
         self._patched: list = []          # (object, attribute name) of every instance patch
         self._finished: dict = {}         # the latest stats of each session's canary (by its number)
         self._sessions = self._session = 0  # canaries built so far; the current one's number
@@ -289,14 +292,15 @@ class TransformersCanary:
         pass (a decoding request's token is its newest one, -1 while only the device has it)."""
         t0 = perf_counter()
         p = Scheduled()
-        requests, states, ids, positions, known = p.requests, p.states, p.ids, p.positions, self.requests
+        requests, states, ids, positions, seen = p.requests, p.states, p.ids, p.positions, self._seen
         longest = cached = 0
         for future in requests_in_batch:
             state = future.state
             q, end = future.query_length, state.position_offset
             past, rid = end - q, state.request_id
-            if rid not in known:
-                known.add(rid)
+            if getattr(state, "_kvcanary_seen", None) is not seen:  # a request's first step with this canary
+                state._kvcanary_seen = seen
+                self.requests += 1
                 self.prefix_shared_tokens += past  # admitted with a prefix already in the cache (0 if none)
             requests.append((rid, past, q))
             states.append(state)
@@ -480,7 +484,7 @@ class TransformersCanary:
             self.canary.flush()
             stats[self._session] = self.canary.stats()
         total = lambda key: sum(s.get(key, 0) for s in stats.values())  # noqa: E731
-        return {"requests": len(self.requests), "steps": self.steps, "verified_slots": total("verified_slots"),
+        return {"requests": self.requests, "steps": self.steps, "verified_slots": total("verified_slots"),
                 "protected_tokens": total("protected_tokens"), "detections": len(self.detections),
                 "skipped_verifies": total("skipped_verifies"), "prefix_shared_tokens": self.prefix_shared_tokens,
                 "failed_requests": len(self.failed_requests)}
