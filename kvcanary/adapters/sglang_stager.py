@@ -54,15 +54,11 @@ class SglangBatchStager(Stager):
         """The step's Batch (views of the stager's buffers and of the engine's ``req_to_token``),
         staged on ``stream`` (explicit, else the framework's current one)."""
         fb = forward_batch
-        try:
-            arrays = (fb.req_pool_indices, fb.seq_lens, fb.input_ids, fb.positions, fb.out_cache_loc)
-        except AttributeError:  # say which one is missing
-            for name in _ARRAYS:
-                require_attr(fb, name, "the ForwardBatch", _FIX)
-            raise
+        for name in _ARRAYS:
+            require_attr(fb, name, "the ForwardBatch", _FIX)
         uniform, ext, pre, counts_new = length_rule(fb)
         self._refresh_table()
-        arrays = (*arrays, ext, pre)
+        arrays = (*(getattr(fb, k) for k in _ARRAYS), ext, pre)
         return self._stage(arrays, (uniform, int(counts_new)), stream, expected_input_ids, expected_positions)
 
     def _refresh_table(self) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import abi
+from ..errors import ValidationError
 from ..interop.arrays import ArrayView
 from ..ops.batch import Batch
 from ..runtime import driver, memory, streams
@@ -212,7 +213,12 @@ class StepBatches:
         copies to the device. No driver call. The engine rewrites a pair's own pinned inputs only
         once that pair's previous step has run (its update waits for the step's outputs); this
         buffer is written at the same point."""
-        _fill_expected(self.pinned[pair].array, pending, t, self._expected_span(t))
+        array, at = self.pinned[pair].array, self._expected_span(t)
+        if 2 * at > array.shape[0]:  # the stager's token buffers grew past the pinned copy's source
+            raise ValidationError(f"kv-canary: a step's expected tokens must fit the pinned buffer its graph copies "
+                                  f"from ({array.shape[0] // 2} tokens), got a stager of {at} tokens (a step of "
+                                  f"{t} tokens grew it). Fix: build the client with the engine's max_batch_tokens")
+        _fill_expected(array, pending, t, at)
 
     def copy_expected(self, t: int, pair: int, stream: int) -> None:
         """Enqueue (or capture) the copy of pair ``pair``'s expected tokens to the stager's buffer."""

@@ -146,7 +146,7 @@ class RequestFailer:
         for name, alloc in processor.cache.cache_allocators.items():
             blocks[name] = sorted(named | set(alloc.block_table.get(rid, ())))
             for b in blocks[name]:
-                self._forget(alloc, b)
+                forget_block(alloc, b)
             self.poisoned.setdefault(name, set()).update(blocks[name])
         state = processor.scheduler.active_requests.get(rid)
         live = state is not None and int(state.status) < FINISHED_STATUS and rid not in self.ended
@@ -158,10 +158,6 @@ class RequestFailer:
         self.failed.append({"request_id": rid, "step": failed.step, "reasons": failed.reason_text,
                             "slots": list(failed.slots), "blocks": blocks, "ended": live})
 
-    @staticmethod
-    def _forget(alloc, block: int) -> None:
-        forget_block(alloc, block)
-
     def guard(self, cache) -> None:
         """After ``mark_complete_blocks``: poisoned blocks another request still holds lose the hash it
         registered again; a poisoned block that no request holds any more is forgotten (its next owner
@@ -170,7 +166,7 @@ class RequestFailer:
             alloc = cache.cache_allocators[name]
             held = {b for table in alloc.block_table.values() for b in table}
             for b in list(blocks):
-                self._forget(alloc, b)
+                forget_block(alloc, b)
                 if b not in held:
                     blocks.discard(b)
 

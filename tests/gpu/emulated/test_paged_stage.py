@@ -289,3 +289,17 @@ def test_a_fixed_stager_hands_one_batch_of_its_capacity_for_every_shape():
 def _staged_args(dev):
     return dict(cu_q=dev["cu_seq_lens_q"], cu_k=dev["cu_seq_lens_k"], read_index=dev["read_index"][0],
                 write_index=dev["write_index"][0], input_ids=dev["input_ids"][0], positions=dev["position_ids"][0])
+
+
+def test_expected_tokens_larger_than_their_pinned_source_are_refused():
+    """Catches a copy that reads past its pinned source: a captured step copies its expected tokens
+    from a pinned buffer sized to the stager's capacity; if the stager's token buffers grew later,
+    writing a step's tokens is refused with a kv-canary error instead of the copy reading beyond it."""
+    sb = StepBatches(LAYOUT, 8, device=0, tokens=16, fixed=True)
+    sb.pin_expected(1)
+    _, pending = step_data(60, 3)
+    sb.write_expected(pending, 8, 0)  # fits
+    sb.stager.expected_buffer(40)     # a step of 40 tokens grows the stager
+    with pytest.raises(kc.ValidationError, match=r"kv-canary: a step's expected tokens must fit the pinned buffer "
+                                                 r".*\(16 tokens\), got a stager of \d+ tokens"):
+        sb.write_expected(pending, 8, 0)
