@@ -21,8 +21,7 @@ from .validate import hash_mode as parse_hash_mode
 
 @dataclass(frozen=True)
 class CanaryConfig:
-    """Everything about a :class:`~kvcanary.KvCanary` but its pools (README: Using it from a serving
-    engine; each argument error names the field and the fix).
+    """Everything about a :class:`~kvcanary.KvCanary` but its pools (docs/engines/custom.md, the step API; each argument error names the field and the fix).
 
     ``device``: None (host arrays, the CPU reference) or a CUDA ordinal; ``hash_mode``: how much of
     each real-KV strip is fingerprinted (none / partial / all, kept as :class:`~kvcanary.abi.HashMode`);

@@ -3,7 +3,6 @@
     python perf/results.py RUN.json [--out FILE.md] [--plots DIR] [--before OLD.json] [--regression PCT]
     python perf/results.py RUN.json --update-committed    # an H200 run becomes the committed results
     python perf/results.py --check-baseline OLD.json      # exit 0: usable by --benchmark-compare
-    python perf/results.py --readme                       # the README's cost table from the committed run
 
 The table has one line per row the benchmarks reported (``extra_info["rows"]``): benchmark,
 measured, bound (and what it is), ratio, target, pass/fail. With matplotlib installed it also
@@ -71,7 +70,7 @@ README_SHAPES = (("bs1x4096", "1 × 4096"), ("bs8x4096", "8 × 4096"), ("bs64x20
 
 
 def readme_cost_table(rows: list[dict]) -> list[str]:
-    """The README's "What it costs" table, from the model-step rows of a run (the committed one):
+    """The README's "What it costs" table (perf/doc_figures.py writes it), from the model-step rows of a run (the committed one):
     the step without the canary, and what each canary configuration adds (``layers="first"`` as
     its overhead row, the others as added time and its share of the step)."""
     by = {r["name"]: r["measured"] for r in rows}
@@ -94,25 +93,6 @@ def readme_prefill_sentence(rows: list[dict]) -> str:
     chunk = "model prefill chunk (1.1B Llama-shaped, eager), 1x8192 new tokens, canary "
     return (f"An eager 8192-token prefill chunk took {fmt(by[chunk + 'off'], 's')} without the canary and "
             f"{fmt(by[chunk + 'layers=first PARTIAL'], 's')} with `layers=\"first\"`.")
-
-
-def write_readme_table(rows: list[dict], readme: Path = HERE.parent / "README.md") -> str:
-    """Replace the README's cost table (the lines starting with its header) and its prefill
-    sentence with :func:`readme_cost_table` / :func:`readme_prefill_sentence` of ``rows``; a run
-    without the model-step rows (e.g. ``pytest perf -k ...``) leaves them as they are."""
-    lines = readme.read_text().split("\n")
-    try:
-        table_lines, prefill = readme_cost_table(rows), readme_prefill_sentence(rows)
-    except KeyError as missing:
-        return f"the README's cost table kept: the run has no row {missing}"
-    start = lines.index(table_lines[0])
-    end = start
-    while end < len(lines) and lines[end].startswith("|"):
-        end += 1
-    lines[start:end] = table_lines
-    lines = [prefill if line.startswith("An eager 8192-token prefill chunk took") else line for line in lines]
-    readme.write_text("\n".join(lines))
-    return f"the README's cost table rewritten from {len(rows)} rows"
 
 
 def ratio_text(r: dict | None) -> str:
@@ -310,14 +290,9 @@ def main(argv: list[str] | None = None) -> int:
                          "gate of .ci/gpu perf, which lets pytest run to its summary)")
     ap.add_argument("--update-committed", action="store_true",
                     help="write perf/RESULTS.md, perf/plots/ and perf/results-h200.json (an H200 run only)")
-    ap.add_argument("--readme", action="store_true",
-                    help="rewrite the README's cost table from the committed run (perf/results-h200.json)")
     ap.add_argument("--check-baseline", type=Path, metavar="JSON",
                     help="only say whether JSON can be the --benchmark-compare baseline (exit 0) or not (1)")
     args = ap.parse_args(argv)
-    if args.readme:
-        print(f"report: {write_readme_table(load_rows(json.loads(COMMITTED['json'].read_text())))}")
-        return 0
     if args.check_baseline is not None:
         ok, why = check_baseline(args.check_baseline)
         print(f"report: {why}")
@@ -346,8 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text("\n".join(lines) + "\n")
     if args.update_committed and args.json.resolve() != COMMITTED["json"].resolve():
         COMMITTED["json"].write_text(json.dumps(data, separators=(",", ":")) + "\n")  # compact: ~half the bytes
-    if args.update_committed:
-        print(f"report: {write_readme_table(rows)}")
+    if args.update_committed:  # the README's and the guides' figures follow the new committed run
+        from doc_figures import rewrite
+        print(f"report: {rewrite()}")
     print(f"report: {len(rows)} rows -> {out}" + (f", plots: {', '.join(map(str, images))}" if images else "")
           + (f", {args.json} -> {COMMITTED['json']}" if args.update_committed else ""))
     for line in regressed:

@@ -17,9 +17,10 @@ from kvcanary import abi
 from kvcanary.cli import demo
 from kvcanary.reporting.violations import Violation
 from kvcanary.sim.faults import CLASSES, MODES, TITLES, coverage
+from tests.support import docblocks
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 FORMAT = (ROOT / "docs" / "format.md").read_text()
 FAULTS = (ROOT / "docs" / "faults.md").read_text()
 # a block marked runnable, and optionally the output the text says it prints
@@ -128,8 +129,10 @@ def test_every_launch_tag_and_ring_column_is_documented():
         assert f"| `{name}` | {getattr(abi, 'FIELD_' + name)} |" in fields, name
 
 
-def test_the_documented_log_line_is_what_kvcanary_prints():
-    (line,) = re.findall(r"^kv_canary violation: .*$", _section(FORMAT, "### 10.2"), re.M)
+@pytest.mark.parametrize("where", ["format.md", "operators.md"])
+def test_the_documented_log_line_is_what_kvcanary_prints(where):
+    text = _section(FORMAT, "### 10.2") if where == "format.md" else docblocks.block("log-line").code
+    (line,) = re.findall(r"^kv_canary violation: .*$", text, re.M)
     f = dict(kv.split("=", 1) for kv in line.removeprefix("kv_canary violation: ").split(" "))
     labels = {b.name.lower().removesuffix("_mismatch"): int(b) for b in abi.FailReason}
     bits = sum(labels[x] for x in f["fail_reason"].split("+"))
@@ -155,7 +158,7 @@ def test_readme_demo_flags_exist():
     parser = argparse.ArgumentParser()
     demo.add_arguments(parser)
     options = {o for a in parser._actions for o in a.option_strings}
-    text = _section((ROOT / "README.md").read_text(), "## The demo") + FAULTS
+    text = (ROOT / "docs" / "demo.md").read_text() + FAULTS
     named = set(re.findall(r"(--[a-z][a-z-]+)", text))
     assert named - {"--help", "--version"} <= options, named - options
     for flag in ("--injections", "--classes", "--modes", "--backend", "--out", "--clean-slots", "--jobs"):
@@ -170,23 +173,69 @@ def test_pypi_description_has_no_developer_setup():
     assert "](docs/" not in text and "](../" not in text     # relative links break on PyPI
 
 
-def test_the_readmes_cost_table_is_the_committed_runs():
-    """Catches a README cost table that drifted from perf/RESULTS.md (it said +63 µs for layers="all"
-    at 1 x 4096 where the committed run measured 32.8 µs). Regenerate: python perf/results.py --readme"""
-    import json
+def test_every_code_block_of_the_guides_is_run_by_a_test():
+    """Catches a code block in the README or a guide that no test runs: each carries a marker naming
+    how it is run (tests/support/docblocks.py), and a named block is read by a test that names it."""
+    sources = "\n".join(p.read_text() for p in [*(ROOT / "tests").rglob("test_*.py")])
+    unmarked, unknown, unread = [], [], []
+    for b in docblocks.all_blocks():
+        if b.output:
+            continue
+        if b.runnable is None and b.name is None:
+            unmarked.append(b.where)
+        elif b.runnable and b.runnable not in docblocks.KINDS:
+            unknown.append(f"{b.where} ({b.runnable})")
+        elif b.name is not None and f'block("{b.name}")' not in sources:
+            unread.append(f"{b.where} ({b.name})")
+    assert not unmarked and not unknown and not unread, dict(unmarked=unmarked, unknown=unknown, unread=unread)
+    for kind, test in docblocks.KINDS.items():
+        assert f'runnable("{kind}")' in (ROOT / test).read_text(), (kind, test)
 
-    from perf.results import (
-        COMMITTED,
-        load_rows,
-        readme_cost_table,
-        readme_prefill_sentence,
-    )
-    rows = load_rows(json.loads(COMMITTED["json"].read_text()))
-    want = readme_cost_table(rows)
-    lines = (ROOT / "README.md").read_text().splitlines()
-    start = lines.index(want[0])
-    assert lines[start:start + len(want)] == want
-    assert readme_prefill_sentence(rows) in lines
+
+def test_the_readme_is_a_front_door():
+    """README.md stays a map: at most 250 lines, and it links every guide."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    for guide in docblocks.GUIDES[1:]:
+        assert f"]({guide.relative_to(ROOT)})" in readme, guide.name
+
+
+def test_the_readmes_commands_are_what_ci_and_a_new_user_run():
+    """The test command is .ci/run's, and the set-up command makes the same venv, installs the
+    package and runs the demo, whose command line the CLI accepts."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    tests = docblocks.block("tests").code
+    assert tests in ci.splitlines(), "the README's test command is not the line .ci/run runs"
+    setup = docblocks.block("setup").code
+    venv = "python3 -m venv .venv && . .venv/bin/activate && "
+    assert setup == venv + "pip install -e . && python -m kvcanary demo" and tests.startswith(venv)
+
+
+def test_the_demo_guides_commands_run(tmp_path):
+    """docs/demo.md's example commands run as written and exit 0 (every injection caught)."""
+    import subprocess
+    import sys
+    lines = [line.split("#")[0].strip() for line in docblocks.block("demo-examples").code.splitlines()]
+    for line in filter(None, lines):
+        argv = line.split()
+        assert argv[:3] == ["python", "-m", "kvcanary"], line
+        done = subprocess.run([sys.executable, *argv[1:], "--backend", "cpu", "--progress", "off"], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, (line, done.stdout[-2000:], done.stderr[-2000:])
+    assert list((tmp_path / "demo-out").glob("*.json")), "the --out example wrote no JSON"
+
+
+def test_the_install_extra_is_the_range_the_adapter_supports():
+    """docs/engines/transformers.md's install line names an extra whose transformers range is the
+    adapter's own."""
+    import tomllib
+
+    from kvcanary.adapters import transformers_layout
+    line = docblocks.block("transformers-install").code
+    extra = re.fullmatch(r"pip install 'kvcanary\[(\w+)\]'", line).group(1)
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"][extra]
+    spec = next(d for d in deps if d.startswith("transformers"))
+    assert spec == "transformers" + transformers_layout.SUPPORTED_TRANSFORMERS, spec
 
 
 def test_no_text_cites_the_old_spec_name():

@@ -9,6 +9,7 @@ launch, K and V, HEAD and TAIL: 4 x the cached prefix per step here) and from th
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import urllib.request
@@ -236,3 +237,34 @@ def test_self_tests_count_as_a_heartbeat_not_as_violations(registry, scrape):
     got = scrape()
     assert got[series("self_tests_total")] == 2  # HEAD K verify runs 2 and 4 of 5
     assert not [key for key in got if key[0].startswith("kvcanary_violation")]
+
+
+def test_the_operators_guides_metrics_blocks_run_as_written(tmp_path):
+    """docs/operators.md: the exporter snippet, run after the README's quick start, serves what the
+    guide's curl line shows, and the Prometheus config scrapes that port and alerts on a series the
+    exporter serves."""
+    pytest.importorskip("prometheus_client")
+    yaml = pytest.importorskip("yaml")
+    from tests.support.docblocks import block, runnable
+
+    quick_start = next(b for b in runnable("") if b.doc.name == "README.md").code
+    snippet = block("metrics").code
+    command, *shown = block("metrics-scrape").code.splitlines()
+    port = int(re.search(r"start_http_server\((\d+)\)", snippet).group(1))
+    pattern = re.fullmatch(r"\$ curl -s localhost:(\d+)/metrics \| grep -E '(.*)'", command)
+    assert pattern and int(pattern.group(1)) == port, command
+    scrape = (f"import re, urllib.request\ncanary.flush()\n"
+              f"text = urllib.request.urlopen('http://localhost:{port}/metrics', timeout=10).read().decode()\n"
+              f"open('metrics.txt', 'w').write(text)\n"
+              f"print('\\n'.join(l for l in text.splitlines() if re.search({pattern.group(2)!r}, l)))\n")
+    done = subprocess.run([sys.executable, "-c", quick_start + "\n" + snippet + "\n" + scrape], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    served = done.stdout.splitlines()[-len(shown):]
+    assert served == shown, (served, shown)
+
+    config = yaml.safe_load(block("prometheus-rules").code)
+    assert config["scrape_configs"][0]["static_configs"][0]["targets"] == [f"engine-host:{port}"]
+    (rule,) = config["groups"][0]["rules"]
+    series = re.search(r"(kvcanary_\w+)", rule["expr"]).group(1)
+    assert f"# TYPE {series} counter" in (tmp_path / "metrics.txt").read_text(), series

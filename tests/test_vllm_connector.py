@@ -165,17 +165,21 @@ def test_composes_under_multiconnector(model, clean):
     assert e.finished == {"a": "error", "b": "length"} and e.outputs["b"] == clean["b"]
 
 
-def test_the_readmes_flags_load_through_vllms_factory():
+def test_the_guides_flags_load_through_vllms_factory():
+    """docs/engines/vllm.md's two flags, as a user copies them, load the connector through vLLM's own
+    factory (and its KVTransferConfig's checks)."""
     import json
     import re
-    from pathlib import Path
 
     from vllm.config import KVTransferConfig
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    flags = [json.loads(m) for m in re.findall(r"^(?:vllm serve MODEL )?--kv-transfer-config '([^']*)'$", readme, re.M)]
-    assert len(flags) == 2
-    assert KVConnectorFactory.get_connector_class(KVTransferConfig(**flags[0])) is KvCanaryConnector
-    multi = KVTransferConfig(**flags[1])
+
+    from tests.support.docblocks import block
+    one = block("vllm-flag").code.splitlines()
+    assert one[0] == "pip install kvcanary"
+    flag = re.fullmatch(r"vllm serve MODEL --kv-transfer-config '([^']*)'", one[1]).group(1)
+    assert KVConnectorFactory.get_connector_class(KVTransferConfig(**json.loads(flag))) is KvCanaryConnector
+    beside = re.fullmatch(r"--kv-transfer-config '([^']*)'", block("vllm-multiconnector").code).group(1)
+    multi = KVTransferConfig(**json.loads(beside))
     assert KVConnectorFactory.get_connector_class(multi).__name__ == "MultiConnector"
     children = [KVConnectorFactory.get_connector_class(KVTransferConfig(**c))
                 for c in multi.kv_connector_extra_config["connectors"]]

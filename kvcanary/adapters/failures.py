@@ -1,6 +1,6 @@
 """Fail closed in a serving engine: from the canary's failed requests (batch index, bits, slots) to
-the engine's request ids and the KV blocks to keep out of reuse (README, "What happens on a
-detection").
+the engine's request ids and the KV blocks to keep out of reuse (docs/operators.md, "What happens on a
+detection"; docs/engines/sglang.md shows the hook in a scheduler).
 
 :class:`FailedRequests` is the hook. Each step, note the engine's request ids in the order of the
 batch handed to the canary (:func:`sglang_request_ids`, :func:`vllm_request_ids`); after the step,

@@ -86,7 +86,7 @@ class TransformersCanary:
     ``layers``: the layers whose K and V bytes are fingerprinted (None/"first", "all", list).
     ``mode``: "log" (default), "raise", or "fail_request": end only the request that read corrupted
     KV (status FAILED, a :class:`~kvcanary.CorruptedKvError`) and keep its blocks out of prefix
-    reuse (:attr:`failed_requests`; README, "What happens on a detection"). ``check_inputs``:
+    reuse (:attr:`failed_requests`; docs/engines/transformers.md, "What a detection does"). ``check_inputs``:
     compare the input tokens and positions with the request state (WRITE_TOKEN rows).
     ``before_step(info)`` / ``after_step(info)``: callbacks around each forward. ``stage_on_device``
     (default True): stage a CUDA cache's step in one launch (:class:`~.paged_stager.PagedBatchStager`)

@@ -11,7 +11,7 @@ runs HEAD in ``bind_connector_metadata`` (before the forward) and TAIL in ``fini
 cached tokens name go back through ``get_block_ids_with_load_errors()`` to vLLM's own policy:
 ``kv_load_failure_policy="fail"`` (vLLM's default) ends every running request holding one with
 FINISHED_ERROR and evicts the block and its descendants from the prefix cache; ``"recompute"`` cuts
-the request back to its last good block and recomputes (README, "vLLM").
+the request back to its last good block and recomputes (docs/engines/vllm.md).
 
 Settings travel in ``kv_connector_extra_config``: :class:`~kvcanary.CanaryConfig`'s fields (``mode``,
 ``hash_mode``, ...; ``device`` is the worker's own) plus ``layers`` ("first", "all" or indices) and

@@ -5,7 +5,7 @@ stamped before the forward without fingerprints (the new tokens' KV does not exi
 TAIL, stamped after it with real-KV fingerprints. ``before_forward`` verifies the cached prefix
 against HEAD and stamps the new tokens; ``after_forward`` does the same against TAIL with real KV
 and then polls the asynchronous pump. ``sweep`` scrubs idle cached slots against TAIL. All step
-launches are capturable in a CUDA graph (see README: what must stay static).
+launches are capturable in a CUDA graph (docs/engines/custom.md, "CUDA graphs": what must stay static).
 
 Threads: every public method holds the canary's lock, so one KvCanary may be driven from several
 threads (nothing is lost or counted twice); a thread holds :attr:`KvCanary.lock` around each whole
@@ -205,7 +205,7 @@ class KvCanary:
         (step, batch index, fail bits, the slots their rows name), from the snapshots completed so
         far: never waits on the device, starts no snapshot and counts no step. An engine adapter
         maps each batch index to its request id at that step and fails that request
-        (``mode="fail_request"``: README, "What happens on a detection")."""
+        (``mode="fail_request"``: docs/operators.md, "What happens on a detection")."""
         with self._lock:
             if self.mode != "none":
                 self.monitor.report(None, advance=False)
@@ -230,7 +230,7 @@ class KvCanary:
         memory.release_pending()  # the device is idle and no capture is running: free collected arrays
 
     def stats(self) -> dict:
-        """Counters as of the newest processed snapshot (README: what each key means)."""
+        """Counters as of the newest processed snapshot (docs/format.md §10.5: what each key means)."""
         with self._lock:
             return self.monitor.stats()
 
