@@ -19,6 +19,7 @@ from kvcanary import abi
 from kvcanary.manager import canary as manager
 from kvcanary.runtime import driver, launch
 from kvcanary.runtime import nvrtc_build as kc_compile
+from kvcanary.runtime import nvrtc_program
 from tests.support import fake_cuda
 from tests.test_abi_literals import strip_comments_and_strings
 from tests.test_pump import make_canary, step, stream
@@ -46,9 +47,9 @@ def test_every_kernel_waits_for_the_previous_grid_first():
 
 
 def _ptx(arch: int) -> str:
-    nvrtc = kc_compile._nvrtc()
+    nvrtc = nvrtc_program._nvrtc()
     src = '#include "common.cuh"\nextern "C" __global__ void k(int* p) { KVC_AFTER_PREVIOUS_GRID(); *p = 1; }\n'
-    headers = {kc_compile.PRELUDE_NAME: abi.render_prelude(), **kc_compile.read_sources()}
+    headers = {nvrtc_program.PRELUDE_NAME: abi.render_prelude(), **kc_compile.read_sources()}
     err, prog = nvrtc.nvrtcCreateProgram(src.encode(), b"k.cu", len(headers), [v.encode() for v in headers.values()],
                                          [k.encode() for k in headers])
     assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS
@@ -66,7 +67,7 @@ def _ptx(arch: int) -> str:
 
 @pytest.mark.parametrize("arch", sorted({80, 90, *kc_compile.SUPPORTED_ARCHS}))
 def test_the_wait_is_compiled_exactly_from_sm90(arch):
-    if arch not in kc_compile.supported_archs():
+    if arch not in nvrtc_program.supported_archs():
         pytest.skip(f"this NVRTC cannot target sm_{arch}")
     ptx = _ptx(arch)
     has = "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
@@ -88,7 +89,7 @@ def test_manager_launches_ask_for_pdl_where_wanted(monkeypatch, fake, env, major
     """Every launch of a K + V manager step (plan, writes, verifies, the pump's snapshot) asks for
     programmatic stream serialization on an sm_90 device, and none does on sm_80 or with
     KVCANARY_PDL=0."""
-    if major * 10 not in kc_compile.supported_archs():
+    if major * 10 not in nvrtc_program.supported_archs():
         pytest.skip(f"this NVRTC cannot target sm_{major}0")
     if env is None:
         monkeypatch.delenv("KVCANARY_PDL", raising=False)
