@@ -193,7 +193,7 @@ def test_archs_older_than_sm80_are_refused_in_one_line(monkeypatch):
 
 def test_a_gpu_older_than_sm80_is_refused_in_one_line_before_any_context(monkeypatch):
     """Catches an sm_75 device (a T4) reaching the compile of its arch at the first launch."""
-    from kvcanary.runtime import driver
+    from kvcanary.runtime import devices
     from tests.support import fake_cuda
     fake = fake_cuda.install(monkeypatch)
     attrs = fake_cuda.real.CUdevice_attribute
@@ -205,7 +205,7 @@ def test_a_gpu_older_than_sm80_is_refused_in_one_line_before_any_context(monkeyp
     compiled = []
     monkeypatch.setattr(kc_compile, "load_kernels", lambda *a, **k: compiled.append(a))
     with pytest.raises(kc.UnsupportedDeviceError) as err:
-        driver.runtime(0)
+        devices.runtime(0)
     assert str(err.value) == ("kv-canary: CUDA device 0 is sm_75, older than sm_80, the oldest GPU kvcanary's kernels "
                               "run on (Ampere: A100, A10, RTX 30xx and newer). Fix: run the canary on an sm_80+ GPU, "
                               "or on the CPU reference backend (KvCanary(device=None) with host arrays)")

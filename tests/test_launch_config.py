@@ -17,7 +17,7 @@ import pytest
 import kvcanary as kc
 from kvcanary import abi
 from kvcanary.manager import canary as manager
-from kvcanary.runtime import driver, launch
+from kvcanary.runtime import devices, launch
 from kvcanary.runtime import nvrtc_build as kc_compile
 from kvcanary.runtime import nvrtc_program
 from tests.support import fake_cuda
@@ -81,7 +81,7 @@ def test_pdl_is_wanted_where_the_cubin_waits(monkeypatch, arch, env, want):
         monkeypatch.delenv("KVCANARY_PDL", raising=False)
     else:
         monkeypatch.setenv("KVCANARY_PDL", env)
-    assert launch.pdl_wanted(arch) is want
+    assert devices.pdl_wanted(arch) is want
 
 
 @pytest.mark.parametrize("env,major,want", [(None, 9, True), ("0", 9, False), (None, 8, False)])
@@ -99,7 +99,7 @@ def test_manager_launches_ask_for_pdl_where_wanted(monkeypatch, fake, env, major
     MAJOR = fake_cuda.real.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
     monkeypatch.setattr(fake, "cuDeviceGetAttribute",
                         lambda a, dev: (fake_cuda.OK, major) if a == MAJOR else plain(a, dev))
-    assert driver.runtime(0).pdl is want
+    assert devices.runtime(0).pdl is want
     _, batch, _ = make_canary()
     canary = manager.KvCanary(manager.PoolGroup(64), device=0, hash_mode="none", max_batch=2, verify_capacity=256)
     s = stream(fake)
@@ -116,9 +116,9 @@ def test_manager_launches_ask_for_pdl_where_wanted(monkeypatch, fake, env, major
 
 
 def test_many_source_verifies_launch_plain_and_the_rest_with_pdl(fake):
-    """launch.PLAIN_KERNELS (the many-source verifies) never ask for PDL; the step's other launches do."""
+    """abi.PLAIN_KERNELS (the many-source verifies) never ask for PDL; the step's other launches do."""
     from kvcanary.runtime import memory
-    assert driver.runtime(0).pdl
+    assert devices.runtime(0).pdl
     pool = memory.zeros((64, 1024), np.uint8)
     sources = [kc.RealKvSource(pool, 1, 1024, 1024) for _ in range(abi.MANY_SOURCES)]
     canary = manager.KvCanary(manager.PoolGroup(64, k_sources=sources, v_sources=sources), device=0,
@@ -130,7 +130,7 @@ def test_many_source_verifies_launch_plain_and_the_rest_with_pdl(fake):
     step(canary, batch, s)
     asked = dict(zip(fake.launched[-5:], fake.pdl[n0:]))
     assert "kvc_fused_verify_many_pair" in asked and asked.pop("kvc_fused_verify_many_pair") is False
-    assert set(launch.PLAIN_KERNELS) <= set(abi.KERNELS)
+    assert set(abi.PLAIN_KERNELS) <= set(abi.KERNELS)
     assert asked and all(asked.values()), asked
 
 

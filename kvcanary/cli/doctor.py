@@ -10,7 +10,7 @@ import numpy as np
 import kvcanary
 
 from .. import abi, errors
-from ..runtime import driver, memory, nvrtc_program
+from ..runtime import devices, driver, memory, nvrtc_program
 
 
 def _version(dist: str) -> str:
@@ -53,7 +53,7 @@ def run(out=sys.stdout) -> int:
         return 1
     for i in range(n):
         try:
-            rt = driver.runtime(i)
+            rt = devices.runtime(i)
             buf = memory.zeros(4, np.int64, i)
             p = abi.ProbeParams()
             p.out = buf.ptr
