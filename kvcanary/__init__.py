@@ -10,12 +10,13 @@ import os as _os
 from ._version import __version__  # noqa: E402
 from . import abi  # noqa: E402
 from .runtime import nvrtc_build as _compile  # noqa: E402
+from .runtime.nvrtc_program import WORKER_ENV as _WORKER_ENV  # noqa: E402
 from .abi import FailReason, HashMode, LaunchTag, MAX_REAL_KV_SOURCES  # noqa: E402
 from .errors import (CanaryViolationError, CompileError, CorruptedKvError, DriverError, KvCanaryError,  # noqa: E402
                      NoCudaDriverError, UnsupportedDeviceError, ValidationError, ValidationTypeError)
 
 # cubins by arch and family (the driver loads them on first launch); a compile worker compiles only what it is sent
-COMPILED = None if _os.environ.get(_compile.WORKER_ENV) else _compile.load_kernels()
+COMPILED = None if _os.environ.get(_WORKER_ENV) else _compile.load_kernels()
 
 from .interop.arrays import ArrayView, as_view, from_pointer  # noqa: E402
 from .ops import build_plan, fused_verify, verify, write  # noqa: E402

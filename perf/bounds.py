@@ -25,7 +25,8 @@ from cuda.bindings import driver as cu
 from kvcanary import abi
 from kvcanary.runtime import memory
 from kvcanary.runtime.driver import check
-from kvcanary.runtime.nvrtc_build import compile_cubin, kernels_dir
+from kvcanary.runtime.nvrtc_build import kernels_dir
+from kvcanary.runtime.nvrtc_program import compile_cubin
 
 from .timing import GpuTimer, pack_args, python_workload
 

@@ -49,8 +49,8 @@ def gpu():
         pytest.skip(f"needs a GPU: {reason}")
     from cuda.bindings import driver as cu
 
-    from kvcanary.runtime import driver
-    rt = driver.runtime(0)
+    from kvcanary.runtime import devices, driver
+    rt = devices.runtime(0)
     # As in an engine, where the framework keeps the primary context current on its thread.
     driver.check(cu.cuCtxSetCurrent(cu.CUcontext(rt.context)), "cuCtxSetCurrent")
     return rt

@@ -159,8 +159,8 @@ def graphed(torch, model, step, bs, ctx, canary, batch, timer):
 def plain_launches():
     """Launches packed inside the block use no programmatic dependent launch (as KVCANARY_PDL=0):
     the A/B of the PDL rows, in one process."""
-    from kvcanary.runtime import driver
-    rt = driver.runtime(0)
+    from kvcanary.runtime import devices
+    rt = devices.runtime(0)
     old, rt.pdl = rt.pdl, False  # the runtime's launch configs are keyed by their PDL flag
     try:
         yield

@@ -22,7 +22,8 @@ from cuda.bindings import driver as cu
 import kvcanary as kc
 from kvcanary import abi, ops
 from kvcanary.runtime.driver import check
-from kvcanary.runtime.nvrtc_build import compile_cubin, read_sources
+from kvcanary.runtime.nvrtc_build import read_sources
+from kvcanary.runtime.nvrtc_program import compile_cubin
 
 from .clocks import gpu_timed
 from .workloads import DECODE_256

@@ -13,7 +13,7 @@ import pytest
 import kvcanary as kc
 from kvcanary import abi
 from kvcanary.ops import backends, bind
-from kvcanary.runtime import driver, memory
+from kvcanary.runtime import devices, memory
 
 ROOT = Path(__file__).resolve().parent.parent / "kvcanary"
 
@@ -34,7 +34,7 @@ def test_binding_fills_the_params_and_touches_no_driver(fake, monkeypatch):
 
     def refused(*a, **k):
         raise AssertionError("bind must not reach the driver")
-    monkeypatch.setattr(driver, "runtime", refused)
+    monkeypatch.setattr(devices, "runtime", refused)
     (prep,) = bind.bind_build_plan(batch, plan, ctx=ctx)
     fused = bind.bind_fused_verify(ctx, batch, plan)
     write = bind.bind_write(ctx, plan, batch.input_ids, batch.positions, batch.out_cache_loc)
@@ -49,7 +49,7 @@ def test_the_device_backend_packs_a_bound_op_with_the_kernel_and_grid_its_shape_
     s = fake.cuStreamCreate(0)[1]
     bound = bind.bind_fused_verify(ctx, batch, plan)
     (launch,) = backends.executor(0).prepare([bound], s)
-    name, grid, block = bound.shape(driver.runtime(0))
+    name, grid, block = bound.shape(devices.runtime(0))
     assert (launch.name, launch.grid, launch.block, launch.stream) == (name, grid, block, s)
     assert bytes(launch.params) == bytes(bound.params)
     fake.launched.clear()

@@ -17,6 +17,7 @@ import kvcanary as kc
 from kvcanary import abi
 from kvcanary.runtime import cubin_cache as kcache
 from kvcanary.runtime import nvrtc_build as kc_compile
+from kvcanary.runtime import nvrtc_program
 from kvcanary.runtime import parallel_compile as kc_parallel
 
 BASE = dict(schema="s", kvcanary="0.1", nvrtc=(13, 0), arch=90, options=("-a",), prelude=b"p", sources=(("a.cu", b"x"),))
@@ -144,7 +145,7 @@ def test_an_edit_of_verify_cu_recompiles_the_verify_family_only(tmp_path, monkey
             compiled.append((arch, name))
             yield arch, name, f"cubin of {name}".encode()
     monkeypatch.setattr(kc_parallel, "compile_units", compile_units)
-    monkeypatch.setattr(kc_compile, "supported_archs", lambda: (80, 90))
+    monkeypatch.setattr(nvrtc_program, "supported_archs", lambda: (80, 90))
     kc_compile.load_kernels((90,), cache=kcache.CubinCache(tmp_path))
     assert sorted(compiled) == sorted((90, f.name) for f in abi.FAMILIES)
     compiled.clear()
@@ -162,7 +163,7 @@ def test_load_kernels_of_some_families_compiles_and_names_those_only(tmp_path, m
     compiled = []
     monkeypatch.setattr(kc_parallel, "compile_units", lambda units, programs, prelude: [
         compiled.append(u) or (*u, b"x") for u in units])
-    monkeypatch.setattr(kc_compile, "supported_archs", lambda: (100,))
+    monkeypatch.setattr(nvrtc_program, "supported_archs", lambda: (100,))
     got = kc_compile.load_kernels((100,), cache=kcache.CubinCache(tmp_path), families=(abi.family_of("kvc_empty"),))
     assert compiled == [(100, "probe")] and got.cubins == {100: {"probe": b"x"}}
     assert "compiling the CUDA kernels (probe) with NVRTC for sm_100" in capsys.readouterr().err
@@ -192,7 +193,7 @@ def test_archs_older_than_sm80_are_refused_in_one_line(monkeypatch):
 
 def test_a_gpu_older_than_sm80_is_refused_in_one_line_before_any_context(monkeypatch):
     """Catches an sm_75 device (a T4) reaching the compile of its arch at the first launch."""
-    from kvcanary.runtime import driver
+    from kvcanary.runtime import devices
     from tests.support import fake_cuda
     fake = fake_cuda.install(monkeypatch)
     attrs = fake_cuda.real.CUdevice_attribute
@@ -204,7 +205,7 @@ def test_a_gpu_older_than_sm80_is_refused_in_one_line_before_any_context(monkeyp
     compiled = []
     monkeypatch.setattr(kc_compile, "load_kernels", lambda *a, **k: compiled.append(a))
     with pytest.raises(kc.UnsupportedDeviceError) as err:
-        driver.runtime(0)
+        devices.runtime(0)
     assert str(err.value) == ("kv-canary: CUDA device 0 is sm_75, older than sm_80, the oldest GPU kvcanary's kernels "
                               "run on (Ampere: A100, A10, RTX 30xx and newer). Fix: run the canary on an sm_80+ GPU, "
                               "or on the CPU reference backend (KvCanary(device=None) with host arrays)")
@@ -276,7 +277,7 @@ PROGRAMS = {"tiny": TINY, "small": {"small.cu": TINY["tiny.cu"].replace("kvc_tin
 
 
 def _here(arch, name):
-    return kc_compile.compile_cubin(PROGRAMS[name], "", arch, program=kc_compile.program_name(name))
+    return nvrtc_program.compile_cubin(PROGRAMS[name], "", arch, program=nvrtc_program.program_name(name))
 
 
 def test_units_compile_in_parallel_processes_to_the_same_cubins(monkeypatch, capsys):

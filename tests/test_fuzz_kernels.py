@@ -33,7 +33,7 @@ import kvcanary as kc
 from kvcanary import abi, ops
 from kvcanary.errors import ValidationError
 from kvcanary.reference import plan as reference_plan
-from kvcanary.runtime import driver
+from kvcanary.runtime import devices, driver
 from tests.support import fuzz_cases as fc
 from tests.support import guarded
 from tests.support.fuzz_model import (
@@ -70,7 +70,7 @@ def emulator():
         run = kernels.launch
         kernels.launch = lambda kernel, *a: (guarded.note(kernel), run(kernel, *a))
         fake.kernels, fake.immediate = kernels, True
-        driver.runtime(0)
+        devices.runtime(0)
         yield fake
         fake_cuda.release(fake)
 
@@ -284,7 +284,7 @@ def test_snapshot_fixed_size(emulator):
             status = w.add(f"status{n}", np.arange(n, dtype=np.int64) * 3 - 5)
             payload, done = w.add(f"payload{n}", np.zeros(n, np.int64)), w.add(f"done{n}", np.zeros(1, np.int64))
             p = abi.SnapshotParams(status=status.ptr, payload=payload.ptr, done=done.ptr, n=n, ticket=41)
-            driver.runtime(0).launch_struct("kvc_snapshot", 1, block, p, driver.PER_THREAD_STREAM)
+            devices.runtime(0).launch_struct("kvc_snapshot", 1, block, p, driver.PER_THREAD_STREAM)
             assert w.np[f"payload{n}"].tolist() == w.ref[f"status{n}"].tolist() and w.np[f"done{n}"][0] == 41
     guarded.run_forked(flow)
 

@@ -13,7 +13,7 @@ import pytest
 
 import kvcanary
 from kvcanary import abi
-from kvcanary.runtime import driver
+from kvcanary.runtime import devices, driver
 from kvcanary.errors import DriverError
 from tests.support import fake_cuda
 from tests.support.cubin import entry_points
@@ -30,7 +30,6 @@ def test_the_kernel_tables_are_derived_from_the_families():
                           "kvc_fused_verify_wide": "kvc_fused_verify_wide_pair",
                           "kvc_fused_verify_many": "kvc_fused_verify_many_pair"}
     assert abi.PLAIN_KERNELS == {"kvc_verify_many", "kvc_fused_verify_many", "kvc_fused_verify_many_pair"}
-    assert kvcanary.runtime.launch.PLAIN_KERNELS is abi.PLAIN_KERNELS
     assert {"kvc_stage_vllm", "kvc_stage_paged", "kvc_empty", "kvc_abi_layout"} <= LAZY
     assert abi.family_of("kvc_fused_verify_pair").source == "verify.cu"
     assert abi.family_of("kvc_echo_buffer").name == "probe"  # a variable the host looks up
@@ -60,7 +59,7 @@ def test_core_cubins_carry_no_stage_or_probe_kernel():
 
 
 def test_a_runtime_loads_the_core_families_and_a_lazy_family_once_on_first_use(fake):
-    rt = driver.runtime(0)
+    rt = devices.runtime(0)
     assert fake.library_loads == CORE and list(rt.libraries) == CORE
     assert "kvc_stage_vllm" not in rt.functions and "kvc_empty" not in rt.functions
     assert rt.functions["kvc_empty"] == "kvc_empty"  # the first lookup loads the probe family
@@ -78,14 +77,14 @@ def test_a_runtime_loads_the_core_families_and_a_lazy_family_once_on_first_use(f
 
 
 def test_a_variable_loads_its_family_first(fake):
-    rt = driver.runtime(0)
+    rt = devices.runtime(0)
     fake.globals["kvc_echo_buffer"] = (0x5000, abi.ECHO_BYTES)
     assert rt.global_address("kvc_echo_buffer") == (0x5000, abi.ECHO_BYTES)
     assert fake.library_loads == [*CORE, "probe"] and "kvc_abi_layout" in rt.functions
 
 
 def test_concurrent_first_uses_load_a_lazy_family_once(fake, monkeypatch):
-    rt = driver.runtime(0)
+    rt = devices.runtime(0)
     load = fake.cuLibraryLoadData
 
     def slow_load(*args):  # widen the race: every thread asks while the first load runs
@@ -110,7 +109,7 @@ def test_a_lazy_familys_parameter_sizes_are_checked_at_its_first_use(fake, monke
     info = fake.cuKernelGetParamInfo
     monkeypatch.setattr(fake, "cuKernelGetParamInfo",
                         lambda k, i: (fake_cuda.OK, 0, 8) if (k, i) == ("kvc_stage_vllm", 0) else info(k, i))
-    rt = driver.runtime(0)  # stage is not loaded yet: creating the runtime works
+    rt = devices.runtime(0)  # stage is not loaded yet: creating the runtime works
     for _ in range(2):
         with pytest.raises(DriverError, match=r"load of kernel kvc_stage_vllm failed with ABI_MISMATCH; expected "
                                               r"one parameter of \d+ bytes"):
@@ -120,7 +119,7 @@ def test_a_lazy_familys_parameter_sizes_are_checked_at_its_first_use(fake, monke
 
 def test_a_kernel_asked_of_another_familys_library_is_not_found(fake):
     """The fake is as strict as the driver: a family's library has only its own kernels."""
-    rt = driver.runtime(0)
+    rt = devices.runtime(0)
     err, _ = fake.cuLibraryGetKernel(rt.libraries["verify"], b"kvc_write")
     assert err == fake_cuda.NOT_FOUND
 
@@ -153,7 +152,7 @@ def test_a_device_outside_the_configured_archs_compiles_its_core_families_then_e
         asked.append((archs, [f.name for f in families]))
         return nvrtc_build.CompiledKernels({100: {f.name: sm90[f.name] for f in families}}, "wheel x", None, 0, 0)
     monkeypatch.setattr(nvrtc_build, "load_kernels", load_kernels)
-    rt = driver.runtime(0)
+    rt = devices.runtime(0)
     assert rt.arch == 100 and asked == [((100,), CORE)] and fake.library_loads == CORE
     assert rt.functions["kvc_empty"] == "kvc_empty" and rt.functions["kvc_abi_layout"] == "kvc_abi_layout"
     assert asked == [((100,), CORE), ((100,), ["probe"])] and fake.library_loads == [*CORE, "probe"]
@@ -165,5 +164,5 @@ def test_a_stager_loads_the_stage_family_when_built_not_at_its_first_step(fake):
     from kvcanary.adapters import PagedBatchStager, VllmBatchStager
     VllmBatchStager(max_reqs=2, max_tokens=2, max_len=8, block_size=4)
     assert fake.library_loads == [*CORE, "stage"]
-    assert "kvc_stage_paged" in driver.runtime(0).functions and PagedBatchStager.KERNEL == "kvc_stage_paged"
+    assert "kvc_stage_paged" in devices.runtime(0).functions and PagedBatchStager.KERNEL == "kvc_stage_paged"
 

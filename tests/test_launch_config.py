@@ -17,8 +17,9 @@ import pytest
 import kvcanary as kc
 from kvcanary import abi
 from kvcanary.manager import canary as manager
-from kvcanary.runtime import driver, launch
+from kvcanary.runtime import devices, launch
 from kvcanary.runtime import nvrtc_build as kc_compile
+from kvcanary.runtime import nvrtc_program
 from tests.support import fake_cuda
 from tests.test_abi_literals import strip_comments_and_strings
 from tests.test_pump import make_canary, step, stream
@@ -46,9 +47,9 @@ def test_every_kernel_waits_for_the_previous_grid_first():
 
 
 def _ptx(arch: int) -> str:
-    nvrtc = kc_compile._nvrtc()
+    nvrtc = nvrtc_program._nvrtc()
     src = '#include "common.cuh"\nextern "C" __global__ void k(int* p) { KVC_AFTER_PREVIOUS_GRID(); *p = 1; }\n'
-    headers = {kc_compile.PRELUDE_NAME: abi.render_prelude(), **kc_compile.read_sources()}
+    headers = {nvrtc_program.PRELUDE_NAME: abi.render_prelude(), **kc_compile.read_sources()}
     err, prog = nvrtc.nvrtcCreateProgram(src.encode(), b"k.cu", len(headers), [v.encode() for v in headers.values()],
                                          [k.encode() for k in headers])
     assert err == nvrtc.nvrtcResult.NVRTC_SUCCESS
@@ -66,7 +67,7 @@ def _ptx(arch: int) -> str:
 
 @pytest.mark.parametrize("arch", sorted({80, 90, *kc_compile.SUPPORTED_ARCHS}))
 def test_the_wait_is_compiled_exactly_from_sm90(arch):
-    if arch not in kc_compile.supported_archs():
+    if arch not in nvrtc_program.supported_archs():
         pytest.skip(f"this NVRTC cannot target sm_{arch}")
     ptx = _ptx(arch)
     has = "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
@@ -80,7 +81,7 @@ def test_pdl_is_wanted_where_the_cubin_waits(monkeypatch, arch, env, want):
         monkeypatch.delenv("KVCANARY_PDL", raising=False)
     else:
         monkeypatch.setenv("KVCANARY_PDL", env)
-    assert launch.pdl_wanted(arch) is want
+    assert devices.pdl_wanted(arch) is want
 
 
 @pytest.mark.parametrize("env,major,want", [(None, 9, True), ("0", 9, False), (None, 8, False)])
@@ -88,7 +89,7 @@ def test_manager_launches_ask_for_pdl_where_wanted(monkeypatch, fake, env, major
     """Every launch of a K + V manager step (plan, writes, verifies, the pump's snapshot) asks for
     programmatic stream serialization on an sm_90 device, and none does on sm_80 or with
     KVCANARY_PDL=0."""
-    if major * 10 not in kc_compile.supported_archs():
+    if major * 10 not in nvrtc_program.supported_archs():
         pytest.skip(f"this NVRTC cannot target sm_{major}0")
     if env is None:
         monkeypatch.delenv("KVCANARY_PDL", raising=False)
@@ -98,7 +99,7 @@ def test_manager_launches_ask_for_pdl_where_wanted(monkeypatch, fake, env, major
     MAJOR = fake_cuda.real.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
     monkeypatch.setattr(fake, "cuDeviceGetAttribute",
                         lambda a, dev: (fake_cuda.OK, major) if a == MAJOR else plain(a, dev))
-    assert driver.runtime(0).pdl is want
+    assert devices.runtime(0).pdl is want
     _, batch, _ = make_canary()
     canary = manager.KvCanary(manager.PoolGroup(64), device=0, hash_mode="none", max_batch=2, verify_capacity=256)
     s = stream(fake)
@@ -115,9 +116,9 @@ def test_manager_launches_ask_for_pdl_where_wanted(monkeypatch, fake, env, major
 
 
 def test_many_source_verifies_launch_plain_and_the_rest_with_pdl(fake):
-    """launch.PLAIN_KERNELS (the many-source verifies) never ask for PDL; the step's other launches do."""
+    """abi.PLAIN_KERNELS (the many-source verifies) never ask for PDL; the step's other launches do."""
     from kvcanary.runtime import memory
-    assert driver.runtime(0).pdl
+    assert devices.runtime(0).pdl
     pool = memory.zeros((64, 1024), np.uint8)
     sources = [kc.RealKvSource(pool, 1, 1024, 1024) for _ in range(abi.MANY_SOURCES)]
     canary = manager.KvCanary(manager.PoolGroup(64, k_sources=sources, v_sources=sources), device=0,
@@ -129,7 +130,7 @@ def test_many_source_verifies_launch_plain_and_the_rest_with_pdl(fake):
     step(canary, batch, s)
     asked = dict(zip(fake.launched[-5:], fake.pdl[n0:]))
     assert "kvc_fused_verify_many_pair" in asked and asked.pop("kvc_fused_verify_many_pair") is False
-    assert set(launch.PLAIN_KERNELS) <= set(abi.KERNELS)
+    assert set(abi.PLAIN_KERNELS) <= set(abi.KERNELS)
     assert asked and all(asked.values()), asked
 
 

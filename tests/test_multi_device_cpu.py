@@ -23,7 +23,7 @@ import pytest
 import kvcanary as kc
 from kvcanary import abi
 from kvcanary.manager.canary import KvCanary, PoolGroup
-from kvcanary.runtime import driver, memory
+from kvcanary.runtime import devices, driver, memory
 from kvcanary.runtime.launch import Launch
 from tests.support import fake_cuda
 from tests.support.fake_cuda import OK, real
@@ -251,13 +251,13 @@ def test_flush_snapshots_behind_everything_even_with_every_fifo_slot_in_flight(f
 
 # ---- per-device state ----------------------------------------------------------------------------
 def test_each_device_has_its_own_runtime_context_and_library(fake):
-    rts = [driver.runtime(d) for d in range(3)]
+    rts = [devices.runtime(d) for d in range(3)]
     assert [rt.ordinal for rt in rts] == [0, 1, 2]
     assert [rt.context for rt in rts] == [CTX0, CTX0 + 1, CTX0 + 2]
     assert sorted(fake.loads) == CORE_LOADS           # one library per core family and device, in its own context
     assert all(rt.functions["kvc_write"] == (d, "kvc_write") for d, rt in enumerate(rts))
     assert not any(rt.sole for rt in rts)             # several devices: the context is checked per launch
-    assert driver.runtime(1) is rts[1] and sorted(fake.loads) == CORE_LOADS
+    assert devices.runtime(1) is rts[1] and sorted(fake.loads) == CORE_LOADS
     assert fake.stack() == [] and fake.errors == []
 
 
@@ -265,7 +265,7 @@ def test_a_lazy_family_loads_once_in_its_own_devices_context_whatever_is_current
     """A family loaded on first use (probe) loads on the device of the runtime asked, in that
     device's context, even from a thread where another device's context (or none) is current,
     and leaves that thread's context as it was; each device loads it once."""
-    rts = [driver.runtime(d) for d in range(3)]
+    rts = [devices.runtime(d) for d in range(3)]
     n = len(fake.loads)
     fake.cuCtxPushCurrent(real.CUcontext(CTX0))       # a caller working on cuda:0
     assert rts[2].functions["kvc_empty"] == (2, "kvc_empty")
@@ -324,7 +324,7 @@ def test_the_fake_flags_a_launch_that_reads_another_devices_memory(fake):
     p = abi.VerifyParams()
     p.canary = foreign.ptr
     fake.immediate = False  # checked at launch, never run (its other pointers are NULL)
-    Launch(driver.runtime(0), "kvc_verify", 1, 256, p, driver.PER_THREAD_STREAM)()
+    Launch(devices.runtime(0), "kvc_verify", 1, 256, p, driver.PER_THREAD_STREAM)()
     assert len(fake.errors) == 1 and "kvc_verify.canary" in fake.errors[0] and "cuda:0" in fake.errors[0]
 
 

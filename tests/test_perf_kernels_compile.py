@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvcanary.runtime.nvrtc_build import SUPPORTED_ARCHS, supported_archs
+from kvcanary.runtime.nvrtc_build import SUPPORTED_ARCHS
+from kvcanary.runtime.nvrtc_program import supported_archs
 from perf.bounds import PROBE_NAMES, compile_probes, probe_sources
 from perf.test_tuning import BLOCKS_PER_SM, TILE_ENTRIES, variant_cubin
 

@@ -325,8 +325,8 @@ def test_verify_kernel_follows_the_fingerprinted_bytes(fake, hash_mode, read_byt
     verifies = [(fn, grid, bx) for fn, grid, bx in fake.shapes if "verify" in fn]
     assert [v[0] for v in verifies] == ["kvc_fused_verify", tail_verify]  # HEAD never fingerprints
     assert verifies[0][2] == 256 and verifies[1][2] == block
-    from kvcanary.runtime import driver
-    rt = driver.runtime(0)
+    from kvcanary.runtime import devices
+    rt = devices.runtime(0)
     for (fn, grid, bx), hashed in zip(verifies, (False, True)):  # one resident wave, no block without a tile
         lanes = 1 if fn.endswith("_wide") else abi.HASHED_LANE_ENTRIES if hashed else abi.VERIFY_LANE_ENTRIES
         tile = (32 * lanes - 1) * (bx // 32)  # a block's warp tiles
@@ -338,8 +338,8 @@ def test_verify_grid_is_one_resident_wave_at_most(fake, capacity, wide):
     """The kernel follows the fingerprinted bytes only (no layout guessed from the batch size);
     the grid is the driver's occupancy x SMs, never more blocks than the plan has tiles."""
     from kvcanary.ops import bind as prepare
-    from kvcanary.runtime import driver
-    rt = driver.runtime(0)
+    from kvcanary.runtime import devices
+    rt = devices.runtime(0)
     for hash_bytes in (((16, 1024),) if wide else ((16,), ())):
         for base in ("kvc_verify", "kvc_fused_verify"):
             name, grid, block = prepare._verify_shape(rt, base, capacity, hash_bytes)

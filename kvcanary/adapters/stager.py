@@ -31,7 +31,7 @@ from ..interop.arrays import ArrayView, as_view
 from ..ops.batch import Batch
 from ..ops.packing import KEPT, PackCache, arg_keys
 from ..ops.sources import resolved
-from ..runtime import driver, memory, streams
+from ..runtime import devices, driver, memory, streams
 from ..runtime.launch import Launch
 from ..validate import integer
 
@@ -48,7 +48,7 @@ class Stager:
 
     def __init__(self, device: int, sizes: dict):
         self.device = integer("device", device, lo=0, fix="pass a CUDA device ordinal")
-        self.rt = driver.runtime(self.device)
+        self.rt = devices.runtime(self.device)
         self.rt.functions.library(abi.family_of(self.KERNEL))  # loaded now, never in a stream capture of a step
         self.buffers = {name: memory.zeros((n,), np.int64, self.device) for name, n in sizes.items()}
         self.packed = PackCache(KEPT)

@@ -10,7 +10,7 @@ import numpy as np
 import kvcanary
 
 from .. import abi, errors
-from ..runtime import driver, memory
+from ..runtime import devices, driver, memory, nvrtc_program
 
 
 def _version(dist: str) -> str:
@@ -29,7 +29,7 @@ def run(out=sys.stdout) -> int:
     say("cuda-bindings", _version("cuda-bindings"))
     status = 0
     try:
-        major, minor = kvcanary._compile.nvrtc_version()
+        major, minor = nvrtc_program.nvrtc_version()
         say("NVRTC", f"{major}.{minor} ({c.nvrtc})")
     except Exception as exc:  # a broken install: libnvrtc missing; say so instead of a traceback
         say("NVRTC", f"error: {type(exc).__name__}: {str(exc).splitlines()[0]} (fix: pip install nvidia-cuda-nvrtc)")
@@ -53,7 +53,7 @@ def run(out=sys.stdout) -> int:
         return 1
     for i in range(n):
         try:
-            rt = driver.runtime(i)
+            rt = devices.runtime(i)
             buf = memory.zeros(4, np.int64, i)
             p = abi.ProbeParams()
             p.out = buf.ptr

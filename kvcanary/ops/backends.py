@@ -18,7 +18,7 @@ import numpy as np
 from .. import abi
 from ..interop.arrays import ArrayView, from_pointer
 from ..reporting.pump import HostPump, Pump
-from ..runtime import driver, memory, streams
+from ..runtime import devices, driver, memory, streams
 from ..runtime.launch import Launch, folded, paired, snapshot_target
 from . import packing
 from .checks import checked
@@ -122,7 +122,7 @@ class CudaBackend:
     synchronous = False  # ops are enqueued on a stream; the pump reports them later
 
     def __init__(self, device: int):
-        self.device, self.rt = device, driver.runtime(device)
+        self.device, self.rt = device, devices.runtime(device)
         self._sweep_staging = self._sweep_done = self._pump = None
 
     def prepare(self, bound, stream) -> list[Launch]:
@@ -310,7 +310,7 @@ def executor(device: int | None):
     (rebuilt when the device's runtime is)."""
     if device is None:
         return _HOST
-    rt, found = driver.runtime(device), _EXECUTORS.get(device)
+    rt, found = devices.runtime(device), _EXECUTORS.get(device)
     if found is None or found.rt is not rt:
         found = _EXECUTORS[device] = CudaBackend(device)
     return found

@@ -20,7 +20,7 @@ from collections import deque
 import numpy as np
 
 from .. import abi
-from ..runtime import driver, memory
+from ..runtime import devices, driver, memory
 from ..runtime.launch import Launch
 
 DEPTH = 8
@@ -134,7 +134,7 @@ class Pump:
         self.ring_requests = ring_requests
         self.launches = 0  # kvc_snapshot launches enqueued
         self.folded = 0    # snapshots claimed by a step's last launch (claim_end)
-        rt = driver.runtime(device)
+        rt = devices.runtime(device)
         self.pinned = memory.PinnedBuffer((self.DEPTH, self.n), np.int64, device, mapped=True)
         self.done = memory.PinnedBuffer((self.DEPTH,), np.int64, device, mapped=True)
         self.fifo = SnapshotFifo(self.pinned.array, self.done.array, self.head)

@@ -1,33 +1,28 @@
-"""CUDA driver runtime: initialised on the first launch, never at import.
+"""The CUDA driver: its binding, ``cuInit``, ``check``, and each device's primary context.
 
-Per device: ``cuInit``, the primary context (shared with torch, CuPy and JAX), and its kernels:
-one ``cuLibraryLoadData`` per kernel family of the device's arch, the core families at once, the
-others on first use, each kernel's parameter size checked against abi.py (:mod:`kvcanary.runtime.kernel_library`).
-A launch is one ``cuLaunchKernelEx`` with the params struct passed by value through a pointer
-array (a packed one: :class:`kvcanary.runtime.launch.Launch`); on sm_90+ it allows programmatic stream
-serialization (:func:`kvcanary.runtime.launch.launch_config`; ``KVCANARY_PDL=0``: not).
-Thread-safe; one runtime per device ordinal.
+The bottom of the driver side of kvcanary.runtime: it imports no other runtime module and knows
+nothing of kvcanary's kernels (their loading is :mod:`~kvcanary.runtime.kernel_library`'s, their
+launches :mod:`~kvcanary.runtime.devices`'). ``cuda.bindings.driver`` is imported on first use and
+``cuInit`` runs on the first call that needs the driver, never at import (forking servers break
+after it). Every failed driver call becomes a DriverError naming the operation and the CUresult
+(:func:`check`); no driver, or no device, becomes NoCudaDriverError. Thread-safe.
 """
 
 from __future__ import annotations
 
-import ctypes
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from .. import abi
-from . import kernel_library
 from ..errors import DriverError, KvCanaryError, NoCudaDriverError, UnsupportedDeviceError
-from .launch import PLAIN_KERNELS, launch_config, pdl_wanted
 
 _lock = threading.Lock()
 _initialised = False
-_runtimes: dict[int, "DeviceRuntime"] = {}
 
 # Stream handles with a meaning of their own (cuda.h): never chosen implicitly.
 LEGACY_STREAM = 0x1
 PER_THREAD_STREAM = 0x2
-_CONTEXT_ERRORS = (201, 400, 709)  # INVALID_CONTEXT, INVALID_HANDLE, CONTEXT_IS_DESTROYED
+CONTEXT_ERRORS = (201, 400, 709)  # INVALID_CONTEXT, INVALID_HANDLE, CONTEXT_IS_DESTROYED: no (or another) context current
 
 
 _module = None  # cuda.bindings.driver once imported
@@ -96,20 +91,16 @@ def pointer_device(ptr: int) -> int:
 
 
 @dataclass
-class DeviceRuntime:
-    """The loaded kernels of one device and how to launch them."""
+class Context:
+    """The primary context of one device (shared with torch, CuPy and JAX) and what the device is:
+    how to run a driver call with it current. ``sole``: the only CUDA device of the process, so a
+    call may be made first as it is (:meth:`hot`)."""
 
     ordinal: int
     context: int
     capability: tuple[int, int]
     sm_count: int
-    arch: int
-    functions: kernel_library.Kernels = None  # kernel -> CUfunction; a lazy family loads on its first lookup
-    sole: bool = False  # the only CUDA device of the process
-    pdl: bool = False  # launches may start during the previous kernel of their stream (common.cuh)
-    _streams: dict = field(default_factory=dict)  # CUstream objects by handle (launch hot path)
-    _occupancy: dict = field(default_factory=dict)  # (kernel, block) -> resident blocks
-    _configs: dict = field(default_factory=dict)  # (grid, grid_y, block, stream, pdl) -> launch config
+    sole: bool
 
     def enter(self) -> bool:
         """Make this device's primary context current; True if one had to be pushed (pushing leaves
@@ -136,124 +127,18 @@ class DeviceRuntime:
     def hot(self, fn, *args):
         """:meth:`call` for a call made every step (a copy, an event): with one device it is made
         first as it is, and again with the context made current only if the driver refuses it for
-        want of one (as :meth:`launch` does)."""
+        want of one (as a launch does: :meth:`kvcanary.runtime.devices.DeviceRuntime.launch`)."""
         if self.sole:
             res = fn(*args)
-            if not res[0] or int(res[0]) not in _CONTEXT_ERRORS:
+            if not res[0] or int(res[0]) not in CONTEXT_ERRORS:
                 return res
         return self.call(fn, *args)
 
-    def cu_stream(self, stream: int):
-        """The CUstream object of a raw handle, built once per handle (building one costs ~1 us)."""
-        s = self._streams.get(stream)
-        if s is None:
-            s = self._streams.setdefault(stream, _driver().CUstream(stream))
-        return s
 
-    def config(self, grid: int, grid_y: int, block: int, stream: int, name: str = ""):
-        """The launch config (:func:`~kvcanary.runtime.launch.launch_config`) of kernel ``name``'s ``grid`` x ``grid_y`` grid
-        on the raw stream handle ``stream``, PDL unless in ``PLAIN_KERNELS``; built once, kept (4096 at most)."""
-        pdl = self.pdl and name not in PLAIN_KERNELS
-        key = (grid, grid_y, block, stream, pdl)
-        cfg = self._configs.get(key)
-        if cfg is None:
-            if len(self._configs) >= 4096:
-                self._configs.clear()
-            cfg = self._configs.setdefault(key, launch_config(_driver(), grid, grid_y, block, self.cu_stream(stream), pdl))
-        return cfg
-
-    def launch(self, name: str, grid: int, block: int, args_address: int, stream: int, grid_y: int = 1) -> None:
-        """Launch ``name`` with a prepacked ``void*[1]`` at ``args_address`` on ``stream`` (a
-        ``grid`` x ``grid_y`` grid: ``grid_y`` is abi.HALVES for a paired launch). With one device
-        (one primary context) launch first, and make it current only if the driver refuses (no or
-        another context current); with several the current context is checked before every launch."""
-        fn, cfg = self.functions[name], self.config(grid, grid_y, block, stream, name)
-        if self.sole:
-            (err,) = _driver().cuLaunchKernelEx(cfg, fn, args_address, 0)
-            if not err:
-                return
-            self._raise_unless_context_error(err, name, grid, block)
-        self._launch_in_context(fn, name, cfg, args_address)
-
-    def launcher(self, name: str, grid: int, block: int, args_address: int, grid_y: int = 1):
-        """:meth:`launch` bound to one prepacked pointer array: a function ``f(stream)``. With one
-        device its fast path is a dict lookup (the stream's launch config) and one
-        cuLaunchKernelEx, with the same fallback on a context error."""
-        if not self.sole:
-            return lambda stream: self.launch(name, grid, block, args_address, stream, grid_y)
-        fn, configs, launch_ex = self.functions[name], {}, _driver().cuLaunchKernelEx
-
-        def launch(stream: int) -> None:
-            cfg = configs.get(stream)
-            if cfg is None:
-                cfg = configs.setdefault(stream, self.config(grid, grid_y, block, stream, name))
-            (err,) = launch_ex(cfg, fn, args_address, 0)
-            if err:
-                self._raise_unless_context_error(err, name, grid, block)
-                self._launch_in_context(fn, name, cfg, args_address)
-        return launch
-
-    def _raise_unless_context_error(self, err, name: str, grid: int, block: int) -> None:
-        if int(err) not in _CONTEXT_ERRORS:
-            raise DriverError(f"cuLaunchKernelEx({name}, grid={grid}, block={block})", err.name)
-
-    def _launch_in_context(self, fn, name: str, cfg, args_address: int) -> None:
-        pushed = self.enter()
-        try:
-            (err,) = _driver().cuLaunchKernelEx(cfg, fn, args_address, 0)
-        finally:
-            self.leave(pushed)
-        if int(err) != 0:
-            hint = ""
-            if int(err) in _CONTEXT_ERRORS:  # refused in this device's own context: the stream
-                hint = (f"expected a stream of cuda:{self.ordinal} (the device of the launch's arrays), "
-                        f"got stream 0x{int(cfg.hStream):x}, which this device's context refuses (a stream of "
-                        f"another device, or a destroyed one). Fix: pass a stream created on "
-                        f"cuda:{self.ordinal}, e.g. under torch.cuda.device({self.ordinal})")
-            raise DriverError(f"cuLaunchKernelEx({name}, grid={cfg.gridDimX}, block={cfg.blockDimX})", err.name, hint)
-
-    def capturing(self, stream: int) -> bool:
-        """Whether ``stream`` is being captured into a CUDA graph (any status but NONE). One
-        cuStreamIsCapturing; the context is made current only if the driver asks for it."""
-        d, s = _driver(), self.cu_stream(stream)
-        if self.sole:
-            err, status = d.cuStreamIsCapturing(s)
-            if not err:
-                return bool(status)  # CU_STREAM_CAPTURE_STATUS_NONE is 0
-        return bool(check(self.call(d.cuStreamIsCapturing, s), "cuStreamIsCapturing"))
-
-    def launch_struct(self, name: str, grid: int, block: int, params: ctypes.Structure, stream: int) -> None:
-        expected = abi.CTYPES[abi.KERNELS[name]]
-        if type(params) is not expected:
-            raise TypeError(f"kv-canary: kernel {name} takes {expected.__name__}, got {type(params).__name__}")
-        ptrs = (ctypes.c_void_p * 1)(ctypes.addressof(params))
-        self.launch(name, grid, block, ctypes.addressof(ptrs), stream)  # params, ptrs alive until return
-
-    def resident_blocks(self, name: str, block: int) -> int:
-        """Blocks of ``name`` (``block`` threads) the whole device holds at once: the driver's
-        occupancy for the kernel times the SM count (cuOccupancyMaxActiveBlocksPerMultiprocessor,
-        so register and shared-memory limits of the compiled kernel count). Cached."""
-        key = (name, block)
-        n = self._occupancy.get(key)
-        if n is None:
-            per_sm = check(self.call(_driver().cuOccupancyMaxActiveBlocksPerMultiprocessor, self.functions[name],
-                                     block, 0), f"cuOccupancyMaxActiveBlocksPerMultiprocessor({name})")
-            n = self._occupancy[key] = max(1, int(per_sm)) * self.sm_count
-        return n
-
-    @property
-    def libraries(self) -> dict[str, object]:
-        """The CUlibrary of each family loaded on this device, by family name."""
-        return self.functions.libraries
-
-    def global_address(self, name: str) -> tuple[int, int]:
-        """Address and size of the __device__ variable ``name`` (its family loaded if not yet)."""
-        library = self.functions.library(abi.family_of(name))
-        ptr, size = check(self.call(_driver().cuLibraryGetGlobal, library, name.encode()), f"cuLibraryGetGlobal({name})")
-        return int(ptr), int(size)
-
-
-def _load(ordinal: int) -> DeviceRuntime:
+def primary_context(ordinal: int) -> Context:
+    """Retain the primary context of device ``ordinal`` (cuInit first). A device older than
+    abi.MIN_ARCH is refused before any context is made (UnsupportedDeviceError)."""
+    init()
     d = _driver()
     count = device_count()
     if not 0 <= ordinal < count:
@@ -267,30 +152,4 @@ def _load(ordinal: int) -> DeviceRuntime:
         raise UnsupportedDeviceError(ordinal, major * 10 + minor, abi.MIN_ARCH)
     sms = int(check(d.cuDeviceGetAttribute(A.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev), "cuDeviceGetAttribute"))
     ctx = check(d.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
-    check(d.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
-    try:
-        return _load_library(ordinal, int(ctx), (major, minor), sms)
-    finally:
-        check(d.cuCtxPopCurrent(), "cuCtxPopCurrent")
-
-
-def _load_library(ordinal: int, ctx: int, capability: tuple[int, int], sms: int) -> DeviceRuntime:
-    """The runtime of a device whose context is current, its core families loaded."""
-    arch, cubins = kernel_library.device_cubins(capability)
-    rt = DeviceRuntime(ordinal=ordinal, context=ctx, capability=capability, sm_count=sms,
-                       arch=arch, sole=device_count() == 1, pdl=pdl_wanted(arch))
-    rt.functions = kernel_library.Kernels(rt, cubins)
-    rt.functions.load_core()
-    return rt
-
-
-def runtime(ordinal: int) -> DeviceRuntime:
-    """The runtime of device ``ordinal``, loading it on first use (thread-safe)."""
-    rt = _runtimes.get(ordinal)
-    if rt is None:
-        init()
-        with _lock:
-            rt = _runtimes.get(ordinal)
-            if rt is None:
-                rt = _runtimes[ordinal] = _load(ordinal)
-    return rt
+    return Context(ordinal=ordinal, context=int(ctx), capability=(major, minor), sm_count=sms, sole=count == 1)

@@ -6,20 +6,20 @@ tests) is loaded on the first lookup of one of its kernels or variables (thread-
 device's primary context). Every kernel loaded has its parameter size checked against the ctypes
 struct of abi.py. A device whose arch is outside the configured list gets its families compiled
 (and cached) when they are first loaded.
+
+Above the driver (a device's primary context, ``check``) and the compile side
+(:mod:`~kvcanary.runtime.nvrtc_build`); the device runtime (:mod:`~kvcanary.runtime.devices`) that
+owns one :class:`Kernels` per device is above it, and hands its context in.
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
-from typing import TYPE_CHECKING
 
 from .. import abi
-from . import nvrtc_build
+from . import driver, nvrtc_build
 from ..errors import DriverError, KvCanaryError
-
-if TYPE_CHECKING:  # the driver builds these; no import of it at load time
-    from .driver import DeviceRuntime
 
 
 def device_cubins(capability: tuple[int, int]) -> tuple[int, dict[str, bytes]]:
@@ -35,13 +35,14 @@ def device_cubins(capability: tuple[int, int]) -> tuple[int, dict[str, bytes]]:
 
 
 class Kernels(dict):
-    """Kernel name -> its CUfunction on one device, and each loaded family's CUlibrary
-    (``libraries``, by family name). Looking up a kernel of a family not loaded yet loads that
-    family first (``__missing__``); ``get`` and ``in`` see only loaded kernels."""
+    """Kernel name -> its CUfunction on one device (``context``, running the sm_``arch`` ``cubins``
+    by family name), and each loaded family's CUlibrary (``libraries``, by family name). Looking up
+    a kernel of a family not loaded yet loads that family first (``__missing__``); ``get`` and
+    ``in`` see only loaded kernels."""
 
-    def __init__(self, rt: DeviceRuntime, cubins: dict[str, bytes]):
+    def __init__(self, context: driver.Context, arch: int, cubins: dict[str, bytes]):
         super().__init__()
-        self.rt, self.cubins = rt, cubins
+        self.context, self.arch, self.cubins = context, arch, cubins
         self.libraries: dict[str, object] = {}
         self._lock = threading.Lock()
 
@@ -66,40 +67,38 @@ class Kernels(dict):
     def _cubin(self, family: abi.KernelFamily) -> bytes:
         cubin = self.cubins.get(family.name)
         if cubin is None:  # an arch outside the configured list: this family compiles now (and is cached)
-            arch = self.rt.arch
+            arch = self.arch
             compiled = nvrtc_build.load_kernels((arch,), families=(family,))
             cubin = compiled.cubins.get(arch, {}).get(family.name)
             if cubin is None:
                 raise KvCanaryError(f"kv-canary: expected an sm_{arch} cubin of kernels_src/{family.source} for "
-                                    f"CUDA device {self.rt.ordinal}, got none: NVRTC {compiled.nvrtc} cannot target "
+                                    f"CUDA device {self.context.ordinal}, got none: NVRTC {compiled.nvrtc} cannot target "
                                     f"sm_{arch}. Fix: upgrade nvidia-cuda-nvrtc, or use the CPU reference backend")
             self.cubins[family.name] = cubin
         return cubin
 
     def _load(self, family: abi.KernelFamily):
         """Load ``family``'s cubin in the device's context, check and keep its kernels (lock held)."""
-        # imported at call time: the driver module imports this one
-        from .driver import _driver, check
-        d, rt, cubin = _driver(), self.rt, self._cubin(family)
-        pushed = rt.enter()
+        d, ctx, check, cubin = driver._driver(), self.context, driver.check, self._cubin(family)
+        pushed = ctx.enter()
         try:
             lib = check(d.cuLibraryLoadData(cubin, None, None, 0, None, None, 0), "cuLibraryLoadData",
-                        f"loading the sm_{rt.arch} cubin of the {family.name} kernels on device {rt.ordinal} "
-                        f"(sm_{rt.capability[0]}{rt.capability[1]})")
+                        f"loading the sm_{self.arch} cubin of the {family.name} kernels on device {ctx.ordinal} "
+                        f"(sm_{ctx.capability[0]}{ctx.capability[1]})")
             functions = {}
             for name, struct_name in family.kernels.items():
                 kernel = check(d.cuLibraryGetKernel(lib, name.encode()), f"cuLibraryGetKernel({name})")
-                _check_param_size(d, check, kernel, name, ctypes.sizeof(abi.CTYPES[struct_name]))
+                _check_param_size(d, kernel, name, ctypes.sizeof(abi.CTYPES[struct_name]))
                 functions[name] = check(d.cuKernelGetFunction(kernel), f"cuKernelGetFunction({name})")
         finally:
-            rt.leave(pushed)
+            ctx.leave(pushed)
         self.update(functions)
         self.libraries[family.name] = lib  # last: a reader without the lock sees a family whole
         return lib
 
 
-def _check_param_size(d, check, kernel, name: str, expected: int) -> None:
-    offset, size = check(d.cuKernelGetParamInfo(kernel, 0), f"cuKernelGetParamInfo({name}, 0)")
+def _check_param_size(d, kernel, name: str, expected: int) -> None:
+    offset, size = driver.check(d.cuKernelGetParamInfo(kernel, 0), f"cuKernelGetParamInfo({name}, 0)")
     err, *_ = d.cuKernelGetParamInfo(kernel, 1)
     if int(offset) != 0 or int(size) != expected or int(err) == 0:
         raise DriverError(f"load of kernel {name}", "ABI_MISMATCH",

@@ -1,20 +1,21 @@
 """A packed kernel launch, and the K and V halves of a group paired into one (abi.PAIRED).
 
 Built by :mod:`kvcanary.ops.bind` (and the pump, the records copy), replayed by the stages and the
-eager ops: replaying one costs one ``cuLaunchKernelEx`` on its device's :class:`~kvcanary.runtime.driver.DeviceRuntime`,
-configured by :func:`launch_config`.
+eager ops: replaying one costs one ``cuLaunchKernelEx`` on its device's
+:class:`~kvcanary.runtime.devices.DeviceRuntime` (configured by
+:func:`kvcanary.runtime.devices.launch_config`). Above the device runtime, whose launcher it binds;
+nothing here calls the driver itself.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
 from typing import TYPE_CHECKING
 
 from .. import abi
 
-if TYPE_CHECKING:  # the driver builds its launch configs here: no import of it at run time
-    from .driver import DeviceRuntime
+if TYPE_CHECKING:  # only its type: a Launch calls the DeviceRuntime it is given
+    from .devices import DeviceRuntime
 
 
 class Launch:
@@ -83,29 +84,3 @@ def snapshot_target(launch: Launch):
     p = launch.params
     holder = p.half[0] if launch.grid_y > 1 else p
     return holder.snap[0] if hasattr(holder, "snap") else None
-
-
-def launch_config(d, grid: int, grid_y: int, block: int, stream, pdl: bool):
-    """The cuLaunchKernelEx config (``d``: cuda.bindings.driver) of a ``grid`` x ``grid_y`` launch of
-    ``block`` threads on ``stream``. ``pdl``: the launch may begin while the previous kernel of the
-    stream still runs (programmatic stream serialization), so its blocks are resident when that
-    kernel ends; every kvcanary kernel first waits for that kernel's completion and memory
-    (KVC_AFTER_PREVIOUS_GRID in common.cuh), so only the launch latency overlaps."""
-    cfg = d.CUlaunchConfig()
-    cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ, cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = grid, grid_y, 1, block, 1, 1
-    cfg.sharedMemBytes, cfg.hStream = 0, stream
-    if pdl:
-        attr = d.CUlaunchAttribute()
-        attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attr.value.programmaticStreamSerializationAllowed = 1
-        cfg.attrs, cfg.numAttrs = [attr], 1
-    return cfg
-
-
-PLAIN_KERNELS = abi.PLAIN_KERNELS  # launched without PDL (abi says why)
-
-
-def pdl_wanted(arch: int) -> bool:
-    """Whether launches of a cubin for ``arch`` (e.g. 90) use programmatic dependent launch: its
-    kernels were compiled with the wait (sm_90+) and KVCANARY_PDL is not "0"."""
-    return arch * 10 >= abi.PDL_CUDA_ARCH and os.environ.get("KVCANARY_PDL", "1") != "0"

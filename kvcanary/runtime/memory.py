@@ -10,6 +10,9 @@ Frees wait for a point outside any CUDA graph capture: a collected array's ``cuM
 collects garbage at any point, also inside a capture. So a collected allocation joins a pending
 list, freed by :func:`release_pending` after the next successful allocation (a capture would
 have refused it), by ``KvCanary.flush()``, or by the caller.
+
+Every call runs in the owning device's context through its runtime
+(:func:`kvcanary.runtime.devices.runtime`); nothing here loads or launches a kernel.
 """
 
 from __future__ import annotations
@@ -20,14 +23,14 @@ import threading
 import numpy as np
 
 from ..interop.dlpack import kDLCUDA, make_capsule
-from . import driver
+from . import devices, driver
 from .driver import check
 
-_pending: list[tuple[driver.DeviceRuntime, str, int]] = []  # (runtime, driver free function, pointer)
+_pending: list[tuple[devices.DeviceRuntime, str, int]] = []  # (runtime, driver free function, pointer)
 _pending_lock = threading.Lock()
 
 
-def _defer_free(rt: driver.DeviceRuntime, free: str, ptr: int) -> None:
+def _defer_free(rt: devices.DeviceRuntime, free: str, ptr: int) -> None:
     with _pending_lock:
         _pending.append((rt, free, ptr))
 
@@ -49,7 +52,7 @@ def release_pending() -> int:
 class _Allocation:
     """Owns one cuMemAlloc block; its free waits for :func:`release_pending` once collected."""
 
-    def __init__(self, rt: driver.DeviceRuntime, nbytes: int):
+    def __init__(self, rt: devices.DeviceRuntime, nbytes: int):
         d = driver._driver()
         self.rt, self.nbytes = rt, nbytes
         err, ptr = rt.call(d.cuMemAlloc, max(nbytes, 1))
@@ -74,7 +77,7 @@ class DeviceArray:
         self.dtype = np.dtype(dtype)
         self.device = int(device)
         self.nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
-        self._alloc = _Allocation(driver.runtime(self.device), self.nbytes)
+        self._alloc = _Allocation(devices.runtime(self.device), self.nbytes)
         self.ptr = self._alloc.ptr
 
     @property
@@ -149,27 +152,27 @@ def to_device(host: np.ndarray, device: int = 0) -> DeviceArray:
 
 def copy_async(dst_ptr: int, src_ptr: int, nbytes: int, stream: int, device: int) -> None:
     """Any-direction async copy under unified addressing (device, pinned host)."""
-    check(driver.runtime(device).hot(driver._driver().cuMemcpyAsync, dst_ptr, src_ptr, nbytes, stream), "cuMemcpyAsync")
+    check(devices.runtime(device).hot(driver._driver().cuMemcpyAsync, dst_ptr, src_ptr, nbytes, stream), "cuMemcpyAsync")
 
 
 def fill_async(ptr: int, byte: int, nbytes: int, stream: int, device: int) -> None:
     """Set ``nbytes`` bytes at ``ptr`` to ``byte`` on ``stream`` (capturable: a memset node)."""
     if nbytes > 0:
-        check(driver.runtime(device).hot(driver._driver().cuMemsetD8Async, ptr, byte, nbytes, stream),
+        check(devices.runtime(device).hot(driver._driver().cuMemsetD8Async, ptr, byte, nbytes, stream),
               "cuMemsetD8Async")
 
 
 def copy_from_host_ptr(dst_ptr: int, host: np.ndarray, device: int) -> None:
     """Synchronous host -> device copy of ``host`` to ``dst_ptr``."""
     host = np.ascontiguousarray(host)
-    d, rt = driver._driver(), driver.runtime(device)
+    d, rt = driver._driver(), devices.runtime(device)
     check(rt.call(d.cuMemcpyHtoDAsync, dst_ptr, host.ctypes.data, host.nbytes, driver.PER_THREAD_STREAM), "cuMemcpyHtoDAsync")
     check(rt.call(d.cuStreamSynchronize, driver.PER_THREAD_STREAM), "cuStreamSynchronize")
 
 
 def copy_to_host_ptr(host: np.ndarray, src_ptr: int, device: int) -> np.ndarray:
     """Synchronous device -> host copy into ``host`` after the device's pending work."""
-    d, rt = driver._driver(), driver.runtime(device)
+    d, rt = driver._driver(), devices.runtime(device)
     check(rt.call(d.cuCtxSynchronize), "cuCtxSynchronize")
     check(rt.call(d.cuMemcpyDtoH, host.ctypes.data, src_ptr, host.nbytes), "cuMemcpyDtoH")
     return host
@@ -183,7 +186,7 @@ class PinnedBuffer:
     of every pinned allocation under unified addressing (all 64-bit CUDA platforms)."""
 
     def __init__(self, shape, dtype, device: int, mapped: bool = False):
-        d, self.rt = driver._driver(), driver.runtime(device)
+        d, self.rt = driver._driver(), devices.runtime(device)
         self.dtype, self.shape = np.dtype(dtype), tuple(shape)
         nbytes = int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
         flags = int(d.CU_MEMHOSTALLOC_DEVICEMAP | d.CU_MEMHOSTALLOC_PORTABLE) if mapped else 0
@@ -206,7 +209,7 @@ class Event:
     """A timing-free CUDA event: record on a stream, query without blocking."""
 
     def __init__(self, device: int, timing: bool = False):
-        d, self.rt = driver._driver(), driver.runtime(device)
+        d, self.rt = driver._driver(), devices.runtime(device)
         flags = 0 if timing else d.CUevent_flags.CU_EVENT_DISABLE_TIMING
         self.handle = check(self.rt.call(d.cuEventCreate, flags), "cuEventCreate")
 
@@ -227,15 +230,15 @@ class Event:
 
 def new_stream(device: int) -> int:
     """A non-blocking stream owned by the library (never synchronises with the legacy stream)."""
-    d, rt = driver._driver(), driver.runtime(device)
+    d, rt = driver._driver(), devices.runtime(device)
     s = check(rt.call(d.cuStreamCreate, d.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
     return int(s)
 
 
 def stream_synchronize(stream: int, device: int) -> None:
-    check(driver.runtime(device).call(driver._driver().cuStreamSynchronize, stream), "cuStreamSynchronize")
+    check(devices.runtime(device).call(driver._driver().cuStreamSynchronize, stream), "cuStreamSynchronize")
 
 
 def context_synchronize(device: int) -> None:
     """Wait for all work of the device's primary context, on every stream."""
-    check(driver.runtime(device).call(driver._driver().cuCtxSynchronize), "cuCtxSynchronize")
+    check(devices.runtime(device).call(driver._driver().cuCtxSynchronize), "cuCtxSynchronize")

@@ -1,20 +1,20 @@
 """NVRTC compilation of the kernel families of kernels_src/ to cubins, one per family and arch.
 
 Each family of ``abi.FAMILIES`` is its own NVRTC program (its .cu, the .cuh headers and the generated
-prelude), compiled and cached per arch on its own: an edit of verify.cu recompiles the verify family
-only. ``import kvcanary`` calls :func:`load_kernels`, which reads the cubins from the disk cache or
+prelude; compiled by :func:`kvcanary.runtime.nvrtc_program.compile_cubin`), compiled and cached per
+arch on its own: an edit of verify.cu recompiles the verify family only. ``import kvcanary`` calls :func:`load_kernels`, which reads the cubins from the disk cache or
 compiles them. NVRTC needs no driver and no GPU, so this runs on CPU-only machines (and in CI).
 Cubins, not PTX: a driver older than NVRTC rejects its PTX but loads its cubins. Never calls cuInit.
 Environment: ``KVCANARY_ARCHS`` (comma-separated, e.g. "80,90"; default :data:`DEFAULT_ARCHS`).
 A cold compile (nothing in the cache) first prints one line on stderr saying so, then one per
 finished arch (the programs compile in worker processes, :mod:`kvcanary.runtime.parallel_compile`: NVRTC holds the
-GIL); a warm import prints nothing.
+GIL); a warm import prints nothing. Imports only the modules below it: the cubin cache, one program's
+compile, and (on a cache miss only, being costly to import) the parallel compile.
 """
 
 from __future__ import annotations
 
 import os
-import re
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -22,6 +22,7 @@ from pathlib import Path
 
 from .. import abi
 from .._version import __version__
+from . import nvrtc_program
 from .cubin_cache import CubinCache, cache_key, default_dir
 from ..errors import CompileError, ValidationError
 
@@ -31,9 +32,6 @@ from ..errors import CompileError, ValidationError
 # and cached, at its first launch. KVCANARY_ARCHS picks others (e.g. all of SUPPORTED_ARCHS).
 SUPPORTED_ARCHS = (80, 86, 89, 90, 100, 120)
 DEFAULT_ARCHS = (80, 90)
-OPTIONS = ("-std=c++17", "--device-as-default-execution-space", "-lineinfo")
-PRELUDE_NAME = "kvcanary_abi.cuh"
-WORKER_ENV = "KVCANARY_COMPILE_WORKER"  # set in a parallel_compile worker: its ``import kvcanary`` compiles nothing
 
 
 def kernels_dir() -> Path:
@@ -86,19 +84,6 @@ def configured_archs() -> tuple[int, ...]:
     return archs
 
 
-def _nvrtc():
-    """cuda.bindings.nvrtc, imported on first use: a warm ``import kvcanary`` loads the cubins from
-    the cache and never needs it (importing it takes about 0.1 s)."""
-    from cuda.bindings import nvrtc
-    return nvrtc
-
-
-def nvrtc_version() -> tuple[int, int]:
-    nvrtc = _nvrtc()
-    _, major, minor = nvrtc.nvrtcVersion()
-    return int(major), int(minor)
-
-
 def installed_version(distribution: str) -> str | None:
     """Version of an installed distribution, read from the name of its ``.dist-info`` folder on
     sys.path (first match, as importlib.metadata finds it) without importing importlib.metadata,
@@ -123,75 +108,20 @@ def nvrtc_identity() -> str:
     version = installed_version("nvidia-cuda-nvrtc")
     if version is not None:
         return "wheel " + version
-    major, minor = nvrtc_version()
+    major, minor = nvrtc_program.nvrtc_version()
     return f"lib {major}.{minor}"
-
-
-def supported_archs() -> tuple[int, ...]:
-    nvrtc = _nvrtc()
-    _, archs = nvrtc.nvrtcGetSupportedArchs()
-    return tuple(int(a) for a in archs)
-
-
-def _check(result, what: str) -> None:
-    nvrtc = _nvrtc()
-    if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-        raise CompileError(f"kv-canary: {what} failed with {result.name}")
-
-
-def _out_buffer(size: int) -> bytes:
-    """A fresh bytes object NVRTC may write into. Never a 0- or 1-byte one: CPython shares those
-    as singletons, and writing into one corrupts every b" " (and str " ") in the process."""
-    return bytes(max(int(size), 2))
-
-
-def compile_cubin(sources: dict[str, str], prelude: str, arch: int,
-                  options: tuple[str, ...] = OPTIONS, program: str = "kvcanary_kernels.cu") -> bytes:
-    """Compile every .cu of ``sources`` as one NVRTC program for sm_<arch>; return the cubin."""
-    nvrtc = _nvrtc()
-    main = "".join(f'#include "{name}"\n' for name in sources if name.endswith(".cu"))
-    headers = {PRELUDE_NAME: prelude, **sources}
-    err, prog = nvrtc.nvrtcCreateProgram(main.encode(), program.encode(), len(headers),
-                                         [v.encode() for v in headers.values()],
-                                         [k.encode() for k in headers])
-    _check(err, "nvrtcCreateProgram")
-    opts = (*options, f"--gpu-architecture=sm_{arch}")
-    try:
-        (result,) = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
-        err, size = nvrtc.nvrtcGetProgramLogSize(prog)
-        log = _out_buffer(size)
-        nvrtc.nvrtcGetProgramLog(prog, log)
-        log_text = log.rstrip(b"\0 ").decode(errors="replace")
-        if result != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            named = [n for n in headers if re.search(rf"\b{re.escape(n)}\(\d+\)", log_text)]
-            shown = "\n".join(f"// ===== {n}\n{headers[n]}" for n in (named or list(sources)))
-            raise CompileError(f"kv-canary: NVRTC could not compile {program} for sm_{arch} "
-                               f"({result.name}); expected a clean compile of kernels_src. Fix: "
-                               f"correct the source named in the log below.",
-                               log=log_text, options=opts, source=shown)
-        err, size = nvrtc.nvrtcGetCUBINSize(prog)
-        _check(err, "nvrtcGetCUBINSize")
-        cubin = _out_buffer(size)
-        _check(nvrtc.nvrtcGetCUBIN(prog, cubin)[0], "nvrtcGetCUBIN")
-        return cubin[:size]
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
-
-
-def program_name(family: str) -> str:
-    """The NVRTC program name of a family (its cubin's line info names it)."""
-    return f"kvcanary_{family}.cu"
 
 
 def compile_family(family: abi.KernelFamily, sources: dict[str, str], prelude: str, arch: int) -> bytes:
     """The cubin of one family's program for sm_<arch>."""
-    return compile_cubin(family_sources(family, sources), prelude, arch, program=program_name(family.name))
+    return nvrtc_program.compile_cubin(family_sources(family, sources), prelude, arch,
+                                       program=nvrtc_program.program_name(family.name))
 
 
 def family_key(family: abi.KernelFamily, arch: int, sources: dict[str, str], prelude: str, identity: str) -> str:
     """The cache key of a family's cubin for sm_<arch>: every input of its program, nothing else."""
     return cache_key(schema="kvcanary-kernels/2", kvcanary=__version__, nvrtc=identity, arch=arch, family=family.name,
-                     options=tuple(sorted(OPTIONS)), prelude=prelude.encode(),
+                     options=tuple(sorted(nvrtc_program.OPTIONS)), prelude=prelude.encode(),
                      sources=tuple((n, s.encode()) for n, s in family_sources(family, sources).items()))
 
 
@@ -259,7 +189,7 @@ def load_kernels(archs: tuple[int, ...] | None = None, cache: CubinCache | None 
             todo.append((a, name))
     skipped: tuple[int, ...] = ()
     if todo:  # only now is libnvrtc loaded
-        available = set(supported_archs())
+        available = set(nvrtc_program.supported_archs())
         skipped = tuple(sorted({a for a, _ in todo if a not in available}))
         if skipped:
             warnings.warn(f"kv-canary: NVRTC {identity} cannot target {', '.join(f'sm_{a}' for a in skipped)}; skipping them "
@@ -270,7 +200,7 @@ def load_kernels(archs: tuple[int, ...] | None = None, cache: CubinCache | None 
             names = {name for _, name in todo}  # named when not every family compiles (an edit of one .cu)
             print(compile_notice(sorted({a for a, _ in todo}), cache.directory,
                                  names if len(names) < len(abi.FAMILIES) else None), file=sys.stderr, flush=True)
-        from .parallel_compile import compile_units  # only on a cache miss
+        from .parallel_compile import compile_units  # only on a cache miss: it imports subprocess and queue
         programs = {f.name: family_sources(f, sources) for f in families}
         for a, name, cubin in compile_units(todo, programs, prelude):
             cache.put(keys[a, name], cubin)

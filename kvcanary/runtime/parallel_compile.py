@@ -4,8 +4,10 @@ every request on its stdin with a cubin on its stdout, length-prefixed, until st
 largest program first, while this process only hands out units and collects cubins (a thread per
 worker, waiting on its pipes). One unit, or one CPU, compiles here. A worker that cannot start,
 fails or does not answer in time leaves its unit to this process (the same compile, whose error is
-then raised here). Workers run ``import kvcanary`` with :data:`WORKER_ENV` set, which compiles
-nothing."""
+then raised here). Workers run ``import kvcanary`` with
+:data:`~kvcanary.runtime.nvrtc_program.WORKER_ENV` set, which compiles nothing. A unit is compiled
+by :func:`kvcanary.runtime.nvrtc_program.compile_cubin`, the module below this one; the families,
+their sources and their cache are :mod:`~kvcanary.runtime.nvrtc_build`'s, which calls this one."""
 
 from __future__ import annotations
 
@@ -18,9 +20,8 @@ import threading
 import time
 from collections import Counter, deque
 
-from . import nvrtc_build as _compile
+from . import nvrtc_program
 
-WORKER_ENV = _compile.WORKER_ENV
 WORKER_TIMEOUT_S = 300  # a worker that has not delivered a cubin by then is killed; its unit compiles here
 
 
@@ -53,7 +54,7 @@ class _Pool:
 
     def request(self, unit) -> bytes:
         arch, name = unit
-        return repr((self.programs[name], self.prelude, arch, _compile.program_name(name))).encode()
+        return repr((self.programs[name], self.prelude, arch, nvrtc_program.program_name(name))).encode()
 
     def drive(self) -> None:
         """One worker process compiling units taken from ``pending`` until none is left: puts
@@ -62,7 +63,7 @@ class _Pool:
             try:  # stderr discarded: a failed unit is compiled again here, where its log is raised
                 proc = subprocess.Popen([sys.executable, "-m", "kvcanary.runtime.parallel_compile"], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                        env={**os.environ, WORKER_ENV: "1"})
+                                        env={**os.environ, nvrtc_program.WORKER_ENV: "1"})
             except OSError:  # no interpreter to start (an embedded Python): this process compiles
                 return
             with self.lock:
@@ -127,7 +128,7 @@ def compile_units(units, programs: dict[str, dict[str, str]], prelude: str):
             else:  # no worker left: the rest compiles here
                 (arch, name), cubin = pool.next_unit(), None
             if not cubin:
-                cubin = _compile.compile_cubin(programs[name], prelude, arch, program=_compile.program_name(name))
+                cubin = nvrtc_program.compile_cubin(programs[name], prelude, arch, program=nvrtc_program.program_name(name))
             done += 1
             left[arch] -= 1
             if not left[arch]:
@@ -143,7 +144,7 @@ def _worker() -> None:
     import ast
     while (request := _receive(sys.stdin.buffer)) is not None:
         sources, prelude, arch, program = ast.literal_eval(request.decode())
-        _send(sys.stdout.buffer, _compile.compile_cubin(sources, prelude, arch, program=program))
+        _send(sys.stdout.buffer, nvrtc_program.compile_cubin(sources, prelude, arch, program=program))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ capture silently. Frameworks are looked up in ``sys.modules``, never imported.
 
 A launch goes to the device that owns its arrays: :func:`resolve` refuses a launch whose arrays
 do not all live on the device it was asked for (every launch path of kvcanary.ops calls it).
+Pure host logic: of the runtime it uses only the driver's stream constants, and calls no driver.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import numpy as np
 
 from kvcanary.ops.sources import RealKvSource
 from kvcanary.reference.hashing import sm_np
-from kvcanary.runtime import driver, memory
+from kvcanary.runtime import devices, driver, memory
 
 _GOLD = np.uint64(0x9E3779B97F4A7C15)
 _TOK = np.uint64(0xD6E8FEB86659FD93)
@@ -112,7 +112,7 @@ def sync(device: int | None) -> None:
     """Wait for all work on the device (the sim is not a latency benchmark)."""
     if device is None:
         return
-    driver.check(driver.runtime(device).call(driver._driver().cuCtxSynchronize), "cuCtxSynchronize")
+    driver.check(devices.runtime(device).call(driver._driver().cuCtxSynchronize), "cuCtxSynchronize")
 
 
 def make_specs(layers: int, per_token: int, scales: bool, prefix: str = "") -> dict:

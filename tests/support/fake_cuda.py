@@ -300,11 +300,11 @@ class FakeDriver:
 def install(monkeypatch) -> FakeDriver:
     """Route kvcanary's driver layer to a fresh FakeDriver until ``monkeypatch`` is undone; call
     :func:`release` before that."""
-    from kvcanary.runtime import driver
+    from kvcanary.runtime import devices, driver
     fake = FakeDriver()
     monkeypatch.setattr(driver, "_driver", lambda: fake)
     monkeypatch.setattr(driver, "_initialised", False)
-    monkeypatch.setattr(driver, "_runtimes", {})
+    monkeypatch.setattr(devices, "_runtimes", {})
     return fake
 
 
@@ -312,8 +312,8 @@ def release(fake: FakeDriver) -> None:
     """Disarm the fake runtimes before ``monkeypatch`` is undone: whatever still holds fake memory
     (e.g. objects kept by a failed test's traceback) frees it later through its runtime's
     ``call``, which must then never hand a fake pointer or context to a real driver."""
-    from kvcanary.runtime import driver, memory
+    from kvcanary.runtime import devices, memory
     gc.collect()
     memory.release_pending()  # frees waiting for a point outside a capture: this fake's, now
-    for rt in driver._runtimes.values():
+    for rt in devices._runtimes.values():
         rt.call = lambda fn, *args: (OK,)

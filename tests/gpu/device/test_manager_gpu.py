@@ -11,7 +11,7 @@ import pytest
 
 import kvcanary as kc
 from kvcanary.reporting.pump import DEPTH
-from kvcanary.runtime import driver, memory
+from kvcanary.runtime import devices, driver, memory
 from tests.support import session as sess_mod
 from tests.support.session import Session, host_buffers, violation_key
 from tests.test_manager import _wrong_rtt
@@ -140,7 +140,7 @@ class Gate:
     def __init__(self, stream: int):
         d = driver._driver()
         self.word = memory.PinnedBuffer((1,), np.uint32, 0, mapped=True)
-        rt = driver.runtime(0)
+        rt = devices.runtime(0)
         res = rt.call(d.cuStreamWaitValue32, rt.cu_stream(stream), self.word.device_ptr, 1,
                       d.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)
         memory.check(res, "cuStreamWaitValue32")

@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvcanary.runtime import driver, memory
+from kvcanary.runtime import devices, driver, memory
 from tests.support import workloads
 
 pytestmark = pytest.mark.gpu
@@ -30,7 +30,7 @@ def test_workloads_on_every_device_from_threads():
     [t.join() for t in threads]
     for d in range(n):
         workloads.assert_same(refs[d], out[d])
-        assert driver.runtime(d).ordinal == d
+        assert devices.runtime(d).ordinal == d
 
 
 @pytest.mark.parametrize("fault", [None, "kv"])

@@ -10,7 +10,7 @@ import pytest
 
 import kvcanary as kc
 from kvcanary import abi
-from kvcanary.runtime import driver, memory
+from kvcanary.runtime import devices, driver, memory
 from tests.support import workloads
 
 pytestmark = [pytest.mark.gpu, pytest.mark.emulated]  # no GPU: kernels run in tests/emu
@@ -21,7 +21,7 @@ to_dev = lambda a: memory.to_device(np.ascontiguousarray(a))  # noqa: E731
 
 
 def test_abi_layout_as_the_device_compiler_sees_it():
-    rt = driver.runtime(0)
+    rt = devices.runtime(0)
     order = abi.layout_dump_order()
     out = memory.zeros(len(order), np.int64)
     p = abi.ProbeParams()
@@ -39,7 +39,7 @@ def test_abi_layout_as_the_device_compiler_sees_it():
 @pytest.mark.parametrize("decl", abi.PARAMS_STRUCTS, ids=lambda d: d.name)
 def test_params_struct_echo(decl):
     """Random bytes in every field reach the device unchanged: pass-by-value works field by field."""
-    rt = driver.runtime(0)
+    rt = devices.runtime(0)
     size = ctypes.sizeof(abi.CTYPES[decl.name])
     raw = np.random.default_rng(7).integers(0, 256, size, dtype=np.uint8).tobytes()
     params = abi.CTYPES[decl.name].from_buffer_copy(raw)

@@ -298,8 +298,8 @@ def test_many_source_fused_verify_spread_over_a_block_equals_reference(emulated_
     entry count and the grid): byte-equal to the reference, at the tile counts where the choice
     changes. The grid is the launch's (the emulator runs at most tests.emu.MAX_BLOCKS blocks)."""
     from kvcanary.ops import bind as prepare
-    from kvcanary.runtime import driver
-    _, grid, _ = prepare._verify_shape(driver.runtime(0), "kvc_fused_verify", 1 << 17, (16,) * len(sources))
+    from kvcanary.runtime import devices
+    _, grid, _ = prepare._verify_shape(devices.runtime(0), "kvc_fused_verify", 1 << 17, (16,) * len(sources))
     if emulated_device is not None:
         from tests import emu
         grid = min(grid, emu.MAX_BLOCKS)
