@@ -398,3 +398,32 @@ def test_replayed_counts_a_whole_captured_step_and_snapshots_after_it(fake):
     canary.flush()
     with pytest.raises(Exception, match=r"HEAD_K_FULL .*ran \d+ of \d+"):
         canary.health_check()
+
+
+@pytest.mark.parametrize("start", [0, 3, 7])
+def test_a_full_ring_of_new_rows_from_any_start_is_read_in_claim_order(fake, start):
+    """``ring_capacity`` new violations claimed from index ``start`` (the ring's rows wrap at
+    ``start % capacity``): every one is read back, in claim order, and none counts as lost."""
+    canary, batch, records = make_canary(ring_capacity=8)
+    s = stream(fake)
+    cap = canary.ring_capacity
+    ring = np.ctypeslib.as_array((ctypes.c_int64 * (cap * abi.RING_COLS)).from_address(
+        canary._ring.ptr)).reshape(-1, abi.RING_COLS)
+    claim = ctypes.c_int64.from_address(canary.status.ptr)  # the 64-bit claim counter (STATUS_CLAIM)
+
+    def claimed(indices):  # as kvc_record stores claim i: at i % capacity
+        for i in indices:
+            ring[i % cap] = [int(abi.LaunchTag.TAIL_K_FULL), 100 + i, 3, 7, 7, 0, 0, 1]
+        claim.value = indices[-1] + 1
+    if start:
+        claimed(list(range(start)))
+    step(canary, batch, s)
+    fake.run()
+    canary.flush()                   # the first rows taken: the host's consumed mark is `start`
+    claimed(list(range(start, start + cap)))
+    step(canary, batch, s)
+    fake.run()
+    canary.flush()
+    got = [r["slot_idx"] for r in records if r["type"] == "violation"]
+    assert got == [100 + i for i in range(start + cap)]
+    assert canary.stats()["ring_overflow"] == 0 and canary.stats()["violations_recorded"] == start + cap

@@ -120,7 +120,7 @@ class KvCanary:
         s = self.backend.stream(stream, batch)
         if not self.stages.run(batch, STAGES[k], s, end):
             return False
-        self.monitor.stage_runs[k] += 1
+        self.monitor.ran(k)
         return s
 
     def launches_per_step(self) -> int:
