@@ -50,7 +50,10 @@ def check_engine(processor) -> None:
 
 class RequestFailer:
     """Fails the requests a canary's verdicts name (see the module docstring). ``failed``: one
-    record per failed request (request id, step, reasons, slots, blocks kept out of reuse)."""
+    record per failed request, the verdict that failed it (request id, step, reasons, slots, blocks
+    kept out of reuse, whether it was ended here); a later step's verdict for a request failed
+    already (async batching ran one more step with it) keeps that step's blocks out of reuse too,
+    and is no new record."""
 
     def __init__(self, page_size: int, device: int | None = None):
         self.page_size, self.device = page_size, device
@@ -148,10 +151,12 @@ class RequestFailer:
             for b in blocks[name]:
                 forget_block(alloc, b)
             self.poisoned.setdefault(name, set()).update(blocks[name])
+        if rid in self.ended:  # failed here already (a later step's verdict): its blocks only, not a new failure
+            return
+        self.ended[rid] = KEEP_ENDED
         state = processor.scheduler.active_requests.get(rid)
-        live = state is not None and int(state.status) < FINISHED_STATUS and rid not in self.ended
+        live = state is not None and int(state.status) < FINISHED_STATUS
         if live:
-            self.ended[rid] = KEEP_ENDED
             processor._handle_request_error(CorruptedKvError(rid, failed), state)  # FAILED, delivered
             processor.scheduler.finish_request(rid)  # after: it keeps the request's tokens (and frees its blocks)
             self.guard(processor.cache)
