@@ -422,7 +422,8 @@ def failed_request(device):
     records = tc.failed_requests
     assert records[0]["request_id"] == hit["rid"] and records[0]["step"] == hit["step"] and records[0]["ended"]
     assert hit["slot"] in records[0]["slots"] and hit["slot"] // PAGE in records[0]["blocks"]["full_attention"]
-    assert {f["request_id"] for f in records} == {hit["rid"]}, "only the request that read the corruption fails"
+    assert [f["request_id"] for f in records] == [hit["rid"]], "only the request that read the corruption fails"
+    assert tc.summary()["failed_requests"] == 1, "one failed request, whatever the steps whose verdicts name it"
     (again_out,) = second.values()
     assert again_out.status == RequestStatus.FINISHED and again_out.generated_tokens == solo
     assert admitted[1, again_out.request_id] <= hit["pos"] // PAGE * PAGE, \
@@ -480,16 +481,17 @@ def test_supported_range_is_the_declared_extra():
     transformers_layout.check_transformers_version(transformers.__version__)
 
 
-@pytest.mark.parametrize("version", ["5.17.0", "5.12.1", "4.57.6", "5.25.0", "5.25.0.dev0", "6.0.0", "nightly"])
+@pytest.mark.parametrize("version", ["5.17.0", "5.12.1", "4.57.6", "5.26.0", "5.26.0.dev0", "6.0.0", "nightly"])
 def test_unsupported_transformers_is_refused_naming_the_range(version, monkeypatch):
     from kvcanary.adapters import transformers_paged
     monkeypatch.setattr(transformers_paged, "_installed_transformers", lambda: version)
-    with pytest.raises(kc.ValidationError, match=r"kv-canary: .*transformers >=5\.18,<5\.25.*got transformers "
+    with pytest.raises(kc.ValidationError, match=r"kv-canary: TransformersCanary supports transformers >=5\.18,<5\.26 \(checked against "
+                                                  r"5\.18\.0, 5\.24\.0, 5\.25\.0\), got transformers "
                                                   + re.escape(version) + r".*fix: pip install"):
         TransformersCanary(object())
 
 
-@pytest.mark.parametrize("version", ["5.18.0", "5.20.2", "5.24.0", "5.24.1"])
+@pytest.mark.parametrize("version", ["5.18.0", "5.20.2", "5.24.0", "5.24.1", "5.25.0", "5.25.3"])
 def test_supported_versions_pass_the_check(version):
     assert transformers_layout.check_transformers_version(version) == tuple(int(x) for x in version.split(".")[:2])
 
@@ -511,7 +513,7 @@ def test_forks_are_refused():
 def test_a_changed_cache_layout_is_an_error_naming_the_attribute():
     from types import SimpleNamespace
     cache = SimpleNamespace(cache_allocators={"full_attention": SimpleNamespace(tokens_per_page=16)})
-    with pytest.raises(kc.ValidationError, match=r"'block_physical_stride'.*>=5\.18,<5\.25"):
+    with pytest.raises(kc.ValidationError, match=r"'block_physical_stride'.*>=5\.18,<5\.26"):
         transformers_layout.PagedLayout(cache)
     with pytest.raises(kc.ValidationError, match=r"'cache_allocators'"):
         transformers_layout.PagedLayout(SimpleNamespace(key_cache=[]))

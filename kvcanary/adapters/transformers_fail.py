@@ -5,7 +5,7 @@ in the step its corruption was verified (its output keeps the tokens of the step
 step's token is dropped), every other request carries on, and its KV blocks are kept out of prefix
 reuse: a later request with the same prompt recomputes them.
 
-How, within the engine's own API (transformers 5.18-5.24): each step's requests are noted in batch
+How, within the engine's own API (transformers 5.18-5.25): each step's requests are noted in batch
 order when the canary runs. ``inputs_and_outputs.prepare_batch_update`` (where the engine reads a
 step's sampled tokens, having waited for them) is wrapped: it first waits for that step's canary
 snapshot (an event recorded after the canary's TAIL: the engine waited for the step already, so
@@ -25,7 +25,7 @@ from ..errors import CorruptedKvError, ValidationError
 KEEP_STEPS = 64  # noted steps awaiting their update: async batching keeps 2
 KEEP_ENDED = 2   # updates without a failed request's id before it is forgotten
 FINISHED_STATUS = 3  # transformers' RequestStatus.FINISHED (FAILED is 4): a request at or past it has ended
-_FIX = "fix: use transformers 5.18-5.24, or mode='log'"
+_FIX = "fix: use transformers 5.18-5.25, or mode='log'"
 
 
 def check_engine(processor) -> None:
@@ -188,7 +188,7 @@ def forget_block(alloc, block: int) -> None:
 
 
 def forget_prefix_cache(cache) -> int:
-    """Drop every block of the cache's prefix cache (transformers 5.18-5.24's allocator ledgers): the
+    """Drop every block of the cache's prefix cache (transformers 5.18-5.25's allocator ledgers): the
     blocks a new canary has no records for (stamped under another canary, or under none) are then
     recomputed, not read as a cached prefix. Returns how many blocks were dropped."""
     dropped = 0
