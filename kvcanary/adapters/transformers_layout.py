@@ -101,7 +101,8 @@ class PagedLayout:
             raise ValidationError(f"kv-canary: expected a contiguous cache_tensor, got strides "
                                   f"{self.view.strides}; {_FIX}")
         self.halves = ("K", "V") if rpt == 2 else ("K",)
-        self.token_bytes = int(np.prod(tensor.shape[rpt:])) * self.view.itemsize  # one row: K or V, or MLA's
+        row = int(tensor.shape[2]) * int(tensor.shape[3]) if rpt == 2 else int(tensor.shape[1])  # K or V; MLA's row
+        self.token_bytes = row * self.view.itemsize
         rows = rpt * int(tensor.shape[0])
         self.num_blocks = rows // self.stride
         self.num_slots = self.num_blocks * self.page_size

@@ -220,9 +220,8 @@ class TransformersCanary:
             k, v = layout.sources(self.layers)
             device = _cache_device(cache)
             self.canary = KvCanary(PoolGroup(layout.num_slots, k, v, halves=layout.halves), device=device,
-                                   hash_mode=self.hash_mode,
-                                   mode=self.mode, max_batch=processor.cb_config.max_requests_per_batch,
-                                   **self.kvcanary_kwargs)
+                                   hash_mode=self.hash_mode, mode=self.mode,
+                                   max_batch=processor.cb_config.max_requests_per_batch, **self.kvcanary_kwargs)
             self.canary.add_listener(self._record, stats=False)  # violations only: no per-step stats records
             self.cache, self.layout = cache, layout
             staged = device is not None and self.stage_on_device
