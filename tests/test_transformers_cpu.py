@@ -20,6 +20,7 @@ import re
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import kvcanary as kc
@@ -508,6 +509,32 @@ def test_forks_are_refused():
     with TransformersCanary(model):
         with pytest.raises(kc.ValidationError, match="num_return_sequences=2"):
             model.init_continuous_batching(generation_config=gen)
+
+
+def test_an_mla_cache_is_one_half_whose_sources_read_each_layers_row_of_a_token():
+    """transformers 5.25's MLACacheAllocator, duck-typed: one row per token ([kv_latent | rotated_key],
+    48 float32 here), block_physical_stride = page_size * layers, layer i's row of physical index p at
+    row p + i * page_size. The canary's slot s (block b = s // 4, offset o) reads, in layer i's source,
+    the row b * 12 + i * 4 + o (the formula, by hand); an offset past the page is out of range."""
+    from types import SimpleNamespace
+    page, layers, blocks, width = 4, 3, 5, 48
+    rows = torch.arange(blocks * page * layers, dtype=torch.float32)[:, None].repeat(1, width)  # row r holds r
+    alloc = SimpleNamespace(tokens_per_page=page, block_physical_stride=page * layers, layer_indices=[0, 1, 2],
+                            rows_per_token=1, cache_tensor=rows)
+    cache = SimpleNamespace(cache_allocators={"full_attention": alloc}, pool=SimpleNamespace(num_reserved_sectors=1))
+    layout = transformers_layout.PagedLayout(cache)
+    assert (layout.halves, layout.token_bytes, layout.num_blocks, layout.num_slots) == (("K",), 4 * width, 5, 20)
+    k, v = layout.sources("all")
+    assert v == [] and len(k) == layers
+    for i, src in enumerate(k):
+        assert (src.page_size, src.num_bytes_per_token) == (page, 4 * width)
+        table = src.view.host  # uint8 [blocks, page * row bytes], rows a block apart
+        for s in (1, 6, 19):
+            b, o = divmod(s, page)
+            token = table[b, o * 4 * width:(o + 1) * 4 * width].view(np.float32)
+            assert (token == b * page * layers + i * page + o).all(), (i, s)
+    p = torch.tensor([0, 13, 2 * 12 + 3, 12 + 4, -1, 5 * 12])
+    assert layout.to_slots(p).tolist() == [0, 5, 11, 20, 20, 20]
 
 
 def test_a_changed_cache_layout_is_an_error_naming_the_attribute():
