@@ -202,3 +202,28 @@ def test_verify_entries_skipped_without_an_entry_count_row_fail_the_health_check
     assert s.canary.stats()["unattributed"] == planned
     with pytest.raises(kc.KvCanaryError, match=f"and {planned} verify entries skipped without a row"):
         s.canary.health_check()
+
+
+def test_a_batch_with_more_cached_entries_than_its_plan_fails_the_health_check_also_when_its_rows_are_lost():
+    """TAIL's batch gives request B one cached token more than the plan HEAD built: no planned entry
+    is skipped, the extra one is never verified, and only B's ENTRY_COUNT rows say so. With those rows
+    lost to a full ring (HEAD's own violation took the one row), the health check still fails
+    (before the fix: it passed, nothing left to show the batches disagreed)."""
+    for capacity, named in ((4096, r"2 BATCH_INDEX_OUT_OF_RANGE rows with batch_field=ENTRY_COUNT"),
+                            (1, r"violation rows were lost to a full ring, so a launch whose batch disagreed")):
+        s = Session(ring_capacity=capacity)
+        s.play(stop_after=2)
+        arrays = s.plan_step([(1, [114]), (2, [214])])
+        good = s.rtt.copy()
+        s.rtt[1, 3] = s.rtt[1, 4]  # A's cached position 3 names position 4's slot: HEAD reports it first
+        s.canary.before_forward(_batch(s, arrays))
+        s.rtt[:] = good
+        s.forward(arrays)
+        prefix = arrays["prefix"].copy()
+        prefix[1] += 1             # B: one cached token more than HEAD planned
+        s.canary.after_forward(kc.Batch(arrays["rows"], prefix, arrays["extend"], s.rtt.copy(), arrays["ids"],
+                                        arrays["pos"], arrays["loc"], swa_out_cache_loc=arrays["loc"]))
+        s.canary.flush()
+        assert s.canary.stats()["unattributed"] == 0  # nothing skipped: every planned entry still has its request
+        with pytest.raises(kc.KvCanaryError, match=named):
+            s.canary.health_check()

@@ -221,6 +221,9 @@ class Monitor:
             bad.append(f"a launch's batch disagreed with the plan built at HEAD: {self.plan_mismatches} "
                        f"BATCH_INDEX_OUT_OF_RANGE rows with batch_field=ENTRY_COUNT (one per request and launch) "
                        f"and {snap[abi.STATUS_SKIPS]} verify entries skipped without a row")
+        elif self.ledger.lost:  # a batch with more cached entries than its plan skips none: its rows say it
+            bad.append(f"{self.ledger.lost} violation rows were lost to a full ring, so a launch whose batch "
+                       f"disagreed with its plan (ENTRY_COUNT rows) cannot be ruled out (raise ring_capacity)")
         bad += self.self_test.problems(runs, self.ledger.lost)
         if bad:
             raise KvCanaryError("kv-canary: health check failed, expected every enqueued canary launch to have "
