@@ -398,3 +398,81 @@ def test_replayed_counts_a_whole_captured_step_and_snapshots_after_it(fake):
     canary.flush()
     with pytest.raises(Exception, match=r"HEAD_K_FULL .*ran \d+ of \d+"):
         canary.health_check()
+
+
+@pytest.mark.parametrize("start", [0, 3, 7])
+def test_a_full_ring_of_new_rows_from_any_start_is_read_in_claim_order(fake, start):
+    """``ring_capacity`` new violations claimed from index ``start`` (the ring's rows wrap at
+    ``start % capacity``): every one is read back, in claim order, and none counts as lost."""
+    canary, batch, records = make_canary(ring_capacity=8)
+    s = stream(fake)
+    cap = canary.ring_capacity
+    ring = np.ctypeslib.as_array((ctypes.c_int64 * (cap * abi.RING_COLS)).from_address(
+        canary._ring.ptr)).reshape(-1, abi.RING_COLS)
+    claim = ctypes.c_int64.from_address(canary.status.ptr)  # the 64-bit claim counter (STATUS_CLAIM)
+
+    def claimed(indices):  # as kvc_record stores claim i: at i % capacity
+        for i in indices:
+            ring[i % cap] = [int(abi.LaunchTag.TAIL_K_FULL), 100 + i, 3, 7, 7, 0, 0, 1]
+        claim.value = indices[-1] + 1
+    if start:
+        claimed(list(range(start)))
+    step(canary, batch, s)
+    fake.run()
+    canary.flush()                   # the first rows taken: the host's consumed mark is `start`
+    claimed(list(range(start, start + cap)))
+    step(canary, batch, s)
+    fake.run()
+    canary.flush()
+    got = [r["slot_idx"] for r in records if r["type"] == "violation"]
+    assert got == [100 + i for i in range(start + cap)]
+    assert canary.stats()["ring_overflow"] == 0 and canary.stats()["violations_recorded"] == start + cap
+
+
+def test_a_snapshot_between_head_and_tail_never_hands_over_the_step_s_verdicts_early(monkeypatch):
+    """The device path with the real kernels (tests/emu behind the fake driver). A HEAD captured into
+    a graph that is never replayed, then that step's TAIL run eagerly: the device has run one TAIL
+    more than HEADs, so in every later step its HEAD and TAIL counts agree between HEAD and TAIL. A
+    snapshot there (a poll) must not hand over the step's verdicts (before the fix it did, as HEAD
+    left them: request A only, and marked that HEAD run reported, so request B, which only TAIL
+    finds, was never failed); after TAIL, both are."""
+    from tests import emu
+    from tests.support.session import Session
+    if emu.unavailable_reason() is not None:
+        pytest.skip(f"the kernel emulator: {emu.unavailable_reason()}")
+    fake = fake_cuda.install(monkeypatch)
+    fake.kernels, fake.immediate = emu.Kernels(), True
+    try:
+        s = Session(device=0, mode="fail_request")
+        st = stream(fake)
+        s.play(stop_after=2)
+
+        def batch(arrays):
+            D = s._dev
+            return kc.Batch(D(arrays["rows"]), D(arrays["prefix"]), D(arrays["extend"]), D(s.rtt.copy()),
+                            D(arrays["ids"]), D(arrays["pos"]), D(arrays["loc"]), swa_out_cache_loc=D(arrays["loc"]))
+        arrays = s.plan_step([(3, [300, 301])])    # a new request C alone, never scheduled again
+        b = batch(arrays)
+        fake.capturing.add(st)
+        s.canary.before_forward(b, stream=st)      # captured, never replayed: this HEAD never runs
+        fake.capturing.discard(st)
+        s.forward(arrays)
+        s.canary.after_forward(b, stream=st)       # ... and its TAIL runs now
+        s.canary.flush()
+        s.canary.failed_requests()                 # that odd step's own reports: not this test's
+        s.rtt[1, 3] = 0                            # A's cached position 3 on the padding slot: HEAD finds it
+        s.k[0][int(s.rtt[2, 2]), 5] ^= 0x40       # B's cached KV: only TAIL (real KV) finds it
+        s.sync_pools()
+        arrays = s.plan_step([(1, [114]), (2, [214])])
+        b = batch(arrays)
+        s.canary.before_forward(b, stream=st)
+        s.canary.poll(st)                          # a snapshot between the step's HEAD and its TAIL
+        fake.run()
+        assert s.canary.failed_requests() == []
+        s.forward(arrays)
+        s.canary.after_forward(b, stream=st)
+        s.canary.flush()
+        got = {f.batch_index: f.reasons for f in s.canary.failed_requests()}
+        assert got == {0: abi.FailReason.PADDING_SLOT_READ, 1: abi.FailReason.VERIFY_REAL_KV_HASH_MISMATCH}
+    finally:
+        fake_cuda.release(fake)

@@ -20,6 +20,7 @@ import re
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import kvcanary as kc
@@ -422,7 +423,8 @@ def failed_request(device):
     records = tc.failed_requests
     assert records[0]["request_id"] == hit["rid"] and records[0]["step"] == hit["step"] and records[0]["ended"]
     assert hit["slot"] in records[0]["slots"] and hit["slot"] // PAGE in records[0]["blocks"]["full_attention"]
-    assert {f["request_id"] for f in records} == {hit["rid"]}, "only the request that read the corruption fails"
+    assert [f["request_id"] for f in records] == [hit["rid"]], "only the request that read the corruption fails"
+    assert tc.summary()["failed_requests"] == 1, "one failed request, whatever the steps whose verdicts name it"
     (again_out,) = second.values()
     assert again_out.status == RequestStatus.FINISHED and again_out.generated_tokens == solo
     assert admitted[1, again_out.request_id] <= hit["pos"] // PAGE * PAGE, \
@@ -480,16 +482,17 @@ def test_supported_range_is_the_declared_extra():
     transformers_layout.check_transformers_version(transformers.__version__)
 
 
-@pytest.mark.parametrize("version", ["5.17.0", "5.12.1", "4.57.6", "5.25.0", "5.25.0.dev0", "6.0.0", "nightly"])
+@pytest.mark.parametrize("version", ["5.17.0", "5.12.1", "4.57.6", "5.26.0", "5.26.0.dev0", "6.0.0", "nightly"])
 def test_unsupported_transformers_is_refused_naming_the_range(version, monkeypatch):
     from kvcanary.adapters import transformers_paged
     monkeypatch.setattr(transformers_paged, "_installed_transformers", lambda: version)
-    with pytest.raises(kc.ValidationError, match=r"kv-canary: .*transformers >=5\.18,<5\.25.*got transformers "
+    with pytest.raises(kc.ValidationError, match=r"kv-canary: TransformersCanary supports transformers >=5\.18,<5\.26 \(checked against "
+                                                  r"5\.18\.0, 5\.24\.0, 5\.25\.0\), got transformers "
                                                   + re.escape(version) + r".*fix: pip install"):
         TransformersCanary(object())
 
 
-@pytest.mark.parametrize("version", ["5.18.0", "5.20.2", "5.24.0", "5.24.1"])
+@pytest.mark.parametrize("version", ["5.18.0", "5.20.2", "5.24.0", "5.24.1", "5.25.0", "5.25.3"])
 def test_supported_versions_pass_the_check(version):
     assert transformers_layout.check_transformers_version(version) == tuple(int(x) for x in version.split(".")[:2])
 
@@ -508,10 +511,36 @@ def test_forks_are_refused():
             model.init_continuous_batching(generation_config=gen)
 
 
+def test_an_mla_cache_is_one_half_whose_sources_read_each_layers_row_of_a_token():
+    """transformers 5.25's MLACacheAllocator, duck-typed: one row per token ([kv_latent | rotated_key],
+    48 float32 here), block_physical_stride = page_size * layers, layer i's row of physical index p at
+    row p + i * page_size. The canary's slot s (block b = s // 4, offset o) reads, in layer i's source,
+    the row b * 12 + i * 4 + o (the formula, by hand); an offset past the page is out of range."""
+    from types import SimpleNamespace
+    page, layers, blocks, width = 4, 3, 5, 48
+    rows = torch.arange(blocks * page * layers, dtype=torch.float32)[:, None].repeat(1, width)  # row r holds r
+    alloc = SimpleNamespace(tokens_per_page=page, block_physical_stride=page * layers, layer_indices=[0, 1, 2],
+                            rows_per_token=1, cache_tensor=rows)
+    cache = SimpleNamespace(cache_allocators={"full_attention": alloc}, pool=SimpleNamespace(num_reserved_sectors=1))
+    layout = transformers_layout.PagedLayout(cache)
+    assert (layout.halves, layout.token_bytes, layout.num_blocks, layout.num_slots) == (("K",), 4 * width, 5, 20)
+    k, v = layout.sources("all")
+    assert v == [] and len(k) == layers
+    for i, src in enumerate(k):
+        assert (src.page_size, src.num_bytes_per_token) == (page, 4 * width)
+        table = src.view.host  # uint8 [blocks, page * row bytes], rows a block apart
+        for s in (1, 6, 19):
+            b, o = divmod(s, page)
+            token = table[b, o * 4 * width:(o + 1) * 4 * width].view(np.float32)
+            assert (token == b * page * layers + i * page + o).all(), (i, s)
+    p = torch.tensor([0, 13, 2 * 12 + 3, 12 + 4, -1, 5 * 12])
+    assert layout.to_slots(p).tolist() == [0, 5, 11, 20, 20, 20]
+
+
 def test_a_changed_cache_layout_is_an_error_naming_the_attribute():
     from types import SimpleNamespace
     cache = SimpleNamespace(cache_allocators={"full_attention": SimpleNamespace(tokens_per_page=16)})
-    with pytest.raises(kc.ValidationError, match=r"'block_physical_stride'.*>=5\.18,<5\.25"):
+    with pytest.raises(kc.ValidationError, match=r"'block_physical_stride'.*>=5\.18,<5\.26"):
         transformers_layout.PagedLayout(cache)
     with pytest.raises(kc.ValidationError, match=r"'cache_allocators'"):
         transformers_layout.PagedLayout(SimpleNamespace(key_cache=[]))

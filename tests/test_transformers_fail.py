@@ -171,3 +171,32 @@ def test_a_failed_requests_id_is_forgotten_once_updates_stop_carrying_it():
     e.states["a"] = NS(request_id="a", status=2, generated_tokens=[])              # a new request "a"
     out = f.update(e, Canary([]), (futures(e, ["a", "b"]), [11, 12], None))
     assert [x.state.request_id for x in out[0]] == ["a", "b"] and out[1] == [11, 12]
+
+
+def test_a_request_failed_by_two_steps_verdicts_is_one_failed_request():
+    """Async batching: step 12 ran with request b before step 11's update failed it, and step 12's
+    verdict names b again. One failure (delivered once, one record); the later step's blocks are poisoned too."""
+    e = Engine({"a": [1], "b": [2, 3]})
+    f = RequestFailer(page_size=16)
+    f.noted(11, ["a", "b"], None)
+    f.noted(12, ["a", "b"], None)
+    f.update(e, Canary([failed(11, 1, [2 * 16])]), (futures(e, ["a", "b"]), [5, 6], None))
+    e.alloc.block_table["b"] = [7]  # (the engine freed b's blocks; the test names another for step 12)
+    out = f.update(e, Canary([failed(12, 1, [7 * 16 + 3])]), (futures(e, ["a", "b"]), [7, 8], None))
+    assert [x.state.request_id for x in out[0]] == ["a"] and out[1] == [7]
+    assert [(r["request_id"], r["step"]) for r in f.failed] == [("b", 11)]
+    assert [r for r, _ in e.delivered] == ["b"]
+    assert 7 in f.poisoned["full_attention"], "the later step's blocks are kept out of reuse too"
+
+
+def test_a_request_that_ended_before_its_verdicts_is_counted_once():
+    e = Engine({"a": [1], "b": [9]})
+    e._finish("b")
+    e.states["b"].status = 3  # FINISHED in the step that read the bad KV
+    f = RequestFailer(page_size=16)
+    f.noted(1, ["a", "b"], None)
+    f.noted(2, ["a", "b"], None)
+    f.update(e, Canary([failed(1, 1, [9 * 16]), failed(2, 1, [9 * 16])]), (futures(e, ["a", "b"]), [1, 2], None))
+    f.update(e, Canary([]), (futures(e, ["a", "b"]), [3, 4], None))
+    assert [(r["request_id"], r["step"], r["ended"]) for r in f.failed] == [("b", 1, False)]
+    assert e.delivered == []

@@ -163,3 +163,20 @@ def test_a_request_longer_than_the_map_regrows_it_and_the_graphs_are_captured_ag
     assert tc.detections == [] and guarded == plain
     assert tc._batches.stager.columns >= max(len(p) for p in prompts) + 12
     assert REPLAYS[1] > 10
+
+
+def _mla_scenarios():
+    from transformers.generation.continuous_batching import cache_allocators
+    if not hasattr(cache_allocators, "MLACacheAllocator"):
+        return [pytest.param(None, marks=pytest.mark.skip(reason=f"transformers {transformers.__version__} has no "
+                                                                 f"MLACacheAllocator (5.25 added it)"))]
+    from tests.test_transformers_mla import MLA_SCENARIOS
+    return MLA_SCENARIOS
+
+
+@pytest.mark.parametrize("scenario", _mla_scenarios(), ids=lambda f: getattr(f, "__name__", "mla"))
+def test_mla_scenarios_with_the_canary_in_the_engines_graphs(graphs_on_cpu, scenario):
+    """tests/test_transformers_mla.py's scenarios (a DeepSeek-V3-shaped model, one cache row per token)
+    with the step staged on the (emulated) device and the canary inside the engine's graphs."""
+    scenario("cpu")
+    assert REPLAYS[1] > 10, "expected canary steps replayed from the engine's graphs"

@@ -134,3 +134,96 @@ def test_a_failed_request_has_a_log_line_and_an_export_record(caplog):
     rec = next(r for r in s.records if r["type"] == "failed_request")
     assert rec == {"type": "failed_request", "step": 3, "batch_index": 1, "reasons": "verify_real_kv_hash",
                    "fail_reason_bits": 4, "slots": [s.flipped]}
+
+
+def _batch(s, arrays) -> kc.Batch:
+    return kc.Batch(arrays["rows"], arrays["prefix"], arrays["extend"], s.rtt.copy(), arrays["ids"], arrays["pos"],
+                    arrays["loc"], swa_out_cache_loc=arrays["loc"])
+
+
+def _head_and_tail_faults(s):
+    """Step 3's batch A (index 0), B (index 1): A's cached position 3 on the padding slot (HEAD's plan
+    finds it), B's cached KV flipped (only TAIL, which reads real KV, finds it)."""
+    s.rtt[1, 3] = 0
+    s.k[0][int(s.rtt[2, 2]), 5] ^= 0x40
+    s.sync_pools()
+    return s.plan_step([(1, [114]), (2, [214])])
+
+
+def test_a_snapshot_between_head_and_tail_hands_over_nothing_and_tail_only_requests_still_fail():
+    s = Session(mode="fail_request")
+    s.play(stop_after=2)
+    arrays = _head_and_tail_faults(s)
+    b = _batch(s, arrays)
+    s.canary.before_forward(b)
+    s.canary.poll()                           # a snapshot between the step's HEAD and its TAIL
+    assert s.canary.failed_requests() == []   # HEAD's verdicts are not the step's yet
+    s.forward(arrays)
+    s.canary.after_forward(b)
+    got = {f.batch_index: f.reasons for f in s.canary.failed_requests()}
+    assert got == {0: abi.FailReason.PADDING_SLOT_READ, 1: abi.FailReason.VERIFY_REAL_KV_HASH_MISMATCH}
+
+
+def test_a_step_whose_forward_raised_does_not_stop_later_failed_requests():
+    """HEAD without its TAIL (the forward raised; the next HEAD warns and starts a new step): the
+    device's HEAD and TAIL run counts differ from then on, and the next step's failed requests
+    still come, once, in the step that read the corruption (before the fix: never again)."""
+    s = Session(mode="fail_request")
+    s.play(stop_after=2)
+    arrays = s.plan_step([(3, [300, 301])])   # a new request C alone, never scheduled again
+    s.canary.before_forward(_batch(s, arrays))
+    s.forward(arrays)                         # ... and raised: no after_forward
+    s.k[0][int(s.rtt[2, 2]), 5] ^= 0x40      # B's cached KV (batch index 1 below)
+    arrays = s.plan_step([(1, [115]), (2, [215])])
+    b = _batch(s, arrays)
+    with pytest.warns(RuntimeWarning, match="before_forward\\(\\) again without after_forward"):
+        s.canary.before_forward(b)
+    s.canary.poll()
+    assert s.canary.failed_requests() == []   # still between that HEAD and its TAIL
+    s.forward(arrays)
+    s.canary.after_forward(b)
+    got = s.canary.failed_requests()
+    assert [(f.batch_index, f.reasons) for f in got] == [(1, abi.FailReason.VERIFY_REAL_KV_HASH_MISMATCH)]
+    assert s.canary.failed_requests() == []
+
+
+def test_verify_entries_skipped_without_an_entry_count_row_fail_the_health_check():
+    """A TAIL given an empty batch after a HEAD that planned cached entries: no request is left to
+    carry an ENTRY_COUNT row, every planned entry is skipped, and the health check says so."""
+    s = Session()
+    s.play(stop_after=2)
+    arrays = s.plan_step([(1, [114]), (2, [214])])
+    s.canary.before_forward(_batch(s, arrays))
+    s.forward(arrays)
+    e = np.zeros(0, np.int64)
+    s.canary.after_forward(kc.Batch(e, e, e, s.rtt.copy(), e, e, e, swa_out_cache_loc=e))
+    s.canary.flush()
+    planned = 2 * (14 + 14)  # A's 14 and B's 14 cached tokens, in each half (K, V)
+    assert s.canary.stats()["unattributed"] == planned
+    with pytest.raises(kc.KvCanaryError, match=f"and {planned} verify entries skipped without a row"):
+        s.canary.health_check()
+
+
+def test_a_batch_with_more_cached_entries_than_its_plan_fails_the_health_check_also_when_its_rows_are_lost():
+    """TAIL's batch gives request B one cached token more than the plan HEAD built: no planned entry
+    is skipped, the extra one is never verified, and only B's ENTRY_COUNT rows say so. With those rows
+    lost to a full ring (HEAD's own violation took the one row), the health check still fails
+    (before the fix: it passed, nothing left to show the batches disagreed)."""
+    for capacity, named in ((4096, r"2 BATCH_INDEX_OUT_OF_RANGE rows with batch_field=ENTRY_COUNT"),
+                            (1, r"violation rows were lost to a full ring, so a launch whose batch disagreed")):
+        s = Session(ring_capacity=capacity)
+        s.play(stop_after=2)
+        arrays = s.plan_step([(1, [114]), (2, [214])])
+        good = s.rtt.copy()
+        s.rtt[1, 3] = s.rtt[1, 4]  # A's cached position 3 names position 4's slot: HEAD reports it first
+        s.canary.before_forward(_batch(s, arrays))
+        s.rtt[:] = good
+        s.forward(arrays)
+        prefix = arrays["prefix"].copy()
+        prefix[1] += 1             # B: one cached token more than HEAD planned
+        s.canary.after_forward(kc.Batch(arrays["rows"], prefix, arrays["extend"], s.rtt.copy(), arrays["ids"],
+                                        arrays["pos"], arrays["loc"], swa_out_cache_loc=arrays["loc"]))
+        s.canary.flush()
+        assert s.canary.stats()["unattributed"] == 0  # nothing skipped: every planned entry still has its request
+        with pytest.raises(kc.KvCanaryError, match=named):
+            s.canary.health_check()

@@ -5,7 +5,7 @@ in the step its corruption was verified (its output keeps the tokens of the step
 step's token is dropped), every other request carries on, and its KV blocks are kept out of prefix
 reuse: a later request with the same prompt recomputes them.
 
-How, within the engine's own API (transformers 5.18-5.24): each step's requests are noted in batch
+How, within the engine's own API (transformers 5.18-5.25): each step's requests are noted in batch
 order when the canary runs. ``inputs_and_outputs.prepare_batch_update`` (where the engine reads a
 step's sampled tokens, having waited for them) is wrapped: it first waits for that step's canary
 snapshot (an event recorded after the canary's TAIL: the engine waited for the step already, so
@@ -25,7 +25,7 @@ from ..errors import CorruptedKvError, ValidationError
 KEEP_STEPS = 64  # noted steps awaiting their update: async batching keeps 2
 KEEP_ENDED = 2   # updates without a failed request's id before it is forgotten
 FINISHED_STATUS = 3  # transformers' RequestStatus.FINISHED (FAILED is 4): a request at or past it has ended
-_FIX = "fix: use transformers 5.18-5.24, or mode='log'"
+_FIX = "fix: use transformers 5.18-5.25, or mode='log'"
 
 
 def check_engine(processor) -> None:
@@ -50,7 +50,10 @@ def check_engine(processor) -> None:
 
 class RequestFailer:
     """Fails the requests a canary's verdicts name (see the module docstring). ``failed``: one
-    record per failed request (request id, step, reasons, slots, blocks kept out of reuse)."""
+    record per failed request, the verdict that failed it (request id, step, reasons, slots, blocks
+    kept out of reuse, whether it was ended here); a later step's verdict for a request failed
+    already (async batching ran one more step with it) keeps that step's blocks out of reuse too,
+    and is no new record."""
 
     def __init__(self, page_size: int, device: int | None = None):
         self.page_size, self.device = page_size, device
@@ -148,10 +151,12 @@ class RequestFailer:
             for b in blocks[name]:
                 forget_block(alloc, b)
             self.poisoned.setdefault(name, set()).update(blocks[name])
+        if rid in self.ended:  # failed here already (a later step's verdict): its blocks only, not a new failure
+            return
+        self.ended[rid] = KEEP_ENDED
         state = processor.scheduler.active_requests.get(rid)
-        live = state is not None and int(state.status) < FINISHED_STATUS and rid not in self.ended
+        live = state is not None and int(state.status) < FINISHED_STATUS
         if live:
-            self.ended[rid] = KEEP_ENDED
             processor._handle_request_error(CorruptedKvError(rid, failed), state)  # FAILED, delivered
             processor.scheduler.finish_request(rid)  # after: it keeps the request's tokens (and frees its blocks)
             self.guard(processor.cache)
@@ -183,7 +188,7 @@ def forget_block(alloc, block: int) -> None:
 
 
 def forget_prefix_cache(cache) -> int:
-    """Drop every block of the cache's prefix cache (transformers 5.18-5.24's allocator ledgers): the
+    """Drop every block of the cache's prefix cache (transformers 5.18-5.25's allocator ledgers): the
     blocks a new canary has no records for (stamped under another canary, or under none) are then
     recomputed, not read as a cached prefix. Returns how many blocks were dropped."""
     dropped = 0

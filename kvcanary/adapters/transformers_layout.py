@@ -2,22 +2,28 @@
 addresses it: the supported version range, the real-KV sources of each layer and the map from the
 engine's cache indices to canary slots.
 
-Layout read (transformers 5.18 to 5.24; 5.18 introduced it): ``PagedAttentionCache.cache_allocators``
-holds one ``FullAttentionCacheAllocator`` (key ``"full_attention"``) whose ``cache_tensor`` is
-``[tokens, 2, kv_heads, head_dim]`` over one flat byte buffer. A *block* of the allocator is
-``pages_per_block`` pages, one per layer; a page is ``tokens_per_page`` K rows followed by as many
-V rows (``rows_per_token = 2``), so the block spans ``block_physical_stride = 2 * page_size *
-layers`` rows of ``kv_heads * head_dim`` elements. The model's ``read_index`` / ``write_index`` hold
-*physical indices* ``p = block * block_physical_stride + offset`` (``offset < page_size``): layer
-``i``'s K of ``p`` is row ``p + 2 i page_size`` of the buffer, its V row ``p + (2 i + 1) page_size``.
+Layout read (transformers 5.18 to 5.25; 5.18 introduced it): ``PagedAttentionCache.cache_allocators``
+holds one full-attention allocator (key ``"full_attention"``) over one flat byte buffer. A *block* of
+the allocator is ``pages_per_block`` pages, one per layer, of ``tokens_per_page`` tokens, and spans
+``block_physical_stride = rows_per_token * page_size * layers`` rows:
 
-Canary slot of ``p``: ``(p // block_physical_stride) * page_size + p % block_physical_stride`` —
-block-major, every token of every block (trash blocks included) has its own slot, so the canary
-takes nothing from the engine's block pool. Slot 0 is token 0 of block 0, which lies in the first
-of the two trash sectors the cache pool never hands out (padding tokens read there): the canary's
-padding slot is the engine's. An index with ``offset >= page_size`` (no token of this layer
-stores there) or a negative one maps to ``num_slots``, outside the canary buffer, so a corrupted
-index is a SLOT_OUT_OF_RANGE row, never a silently different slot.
+- ``FullAttentionCacheAllocator``: ``cache_tensor`` is ``[tokens, 2, kv_heads, head_dim]``; a page is
+  ``page_size`` K rows followed by as many V rows (``rows_per_token = 2``). Layer ``i``'s K of a
+  physical index ``p`` is row ``p + 2 i page_size``, its V row ``p + (2 i + 1) page_size``.
+- ``MLACacheAllocator`` (transformers 5.25, chosen when ``config.kv_lora_rank`` is set: DeepSeek-V3/R1,
+  Kimi-K2 shapes): ``cache_tensor`` is ``[tokens, kv_lora_rank + qk_rope_head_dim]``, one row per token
+  holding ``[kv_latent | rotated_key]`` (``rows_per_token = 1``); layer ``i``'s row of ``p`` is row
+  ``p + i page_size``. The canary then has one half (K: the row, fingerprinted from its start, the
+  latent; ``hash_mode="all"`` covers the rotated key too).
+
+The model's ``read_index`` / ``write_index`` hold *physical indices* ``p = block * block_physical_stride
++ offset`` (``offset < page_size``). Canary slot of ``p``: ``(p // block_physical_stride) * page_size +
+p % block_physical_stride`` — block-major, every token of every block (trash blocks included) has its
+own slot, so the canary takes nothing from the engine's block pool. Slot 0 is token 0 of block 0,
+which lies in the first of the two trash sectors the cache pool never hands out (padding tokens read
+there): the canary's padding slot is the engine's. An index with ``offset >= page_size`` (no token of
+this layer stores there) or a negative one maps to ``num_slots``, outside the canary buffer, so a
+corrupted index is a SLOT_OUT_OF_RANGE row, never a silently different slot.
 """
 
 from __future__ import annotations
@@ -32,9 +38,9 @@ from ..ops.sources import RealKvSource, resolved
 from .common import require_attr, select_layers
 
 #: transformers releases the adapter supports (the ``kvcanary[transformers]`` extra pins the same).
-SUPPORTED_TRANSFORMERS = ">=5.18,<5.25"
-CHECKED_TRANSFORMERS = ("5.18.0", "5.24.0")
-_LOWEST, _BEYOND = (5, 18), (5, 25)
+SUPPORTED_TRANSFORMERS = ">=5.18,<5.26"
+CHECKED_TRANSFORMERS = ("5.18.0", "5.24.0", "5.25.0")
+_LOWEST, _BEYOND = (5, 18), (5, 26)
 _FIX = "fix: pip install 'kvcanary[transformers]' (transformers" + SUPPORTED_TRANSFORMERS + ")"
 
 
@@ -45,7 +51,7 @@ def check_transformers_version(version: str) -> tuple[int, int]:
     got = (int(m.group(1)), int(m.group(2))) if m else None
     if got is None or not _LOWEST <= got < _BEYOND:
         raise ValidationError(f"kv-canary: TransformersCanary supports transformers {SUPPORTED_TRANSFORMERS} "
-                              f"(checked against {' and '.join(CHECKED_TRANSFORMERS)}), got transformers "
+                              f"(checked against {', '.join(CHECKED_TRANSFORMERS)}), got transformers "
                               f"{version}; its continuous-batching cache layout differs; {_FIX}")
     return got
 
@@ -55,11 +61,12 @@ def _need(obj, name: str, what: str):
 
 
 class PagedLayout:
-    """The canary's view of one ``PagedAttentionCache`` (full-attention layers only).
+    """The canary's view of one ``PagedAttentionCache`` (full-attention layers only, MLA included).
 
-    ``num_slots`` canary slots, ``page_size`` tokens per page, ``stride`` rows per block;
-    :meth:`sources` gives the zero-copy K and V sources of chosen layers, :meth:`to_slots` maps
-    physical cache indices (a torch tensor) to canary slots on their device."""
+    ``num_slots`` canary slots, ``page_size`` tokens per page, ``stride`` rows per block, ``halves``
+    ("K", "V"), or ("K",) for MLA's one row per token; :meth:`sources` gives the zero-copy sources of
+    chosen layers, :meth:`to_slots` maps physical cache indices (a torch tensor) to canary slots on
+    their device."""
 
     def __init__(self, cache):
         allocators = _need(cache, "cache_allocators", "the PagedAttentionCache")
@@ -73,16 +80,19 @@ class PagedLayout:
         self.page_size = int(_need(alloc, "tokens_per_page", what))
         self.stride = int(_need(alloc, "block_physical_stride", what))
         self.layer_indices = list(_need(alloc, "layer_indices", what))
-        rows_per_token = int(_need(alloc, "rows_per_token", what))
+        self.rows_per_token = int(_need(alloc, "rows_per_token", what))
         tensor = _need(alloc, "cache_tensor", what)
         pool = _need(cache, "pool", "the PagedAttentionCache")
         reserved = int(_need(pool, "num_reserved_sectors", "the cache pool"))
-        if rows_per_token != 2 or self.stride != 2 * self.page_size * len(self.layer_indices) or tensor.ndim != 4:
-            raise ValidationError(f"kv-canary: expected a full-attention allocator with rows_per_token=2, "
-                                  f"block_physical_stride = 2 * tokens_per_page * layers and a 4-D cache_tensor "
-                                  f"[tokens, 2, heads, dim], got rows_per_token={rows_per_token}, stride="
-                                  f"{self.stride}, page_size={self.page_size}, layers={len(self.layer_indices)}, "
-                                  f"cache_tensor {tuple(tensor.shape)}; {_FIX}")
+        layers, rpt = len(self.layer_indices), self.rows_per_token
+        shape = {2: "[tokens, 2, heads, dim]", 1: "[tokens, kv_lora_rank + qk_rope_head_dim] (MLA)"}
+        if rpt not in shape or tensor.ndim != (4 if rpt == 2 else 2) or self.stride != rpt * self.page_size * layers:
+            raise ValidationError(f"kv-canary: expected a full-attention allocator with rows_per_token=2 and a 4-D "
+                                  f"cache_tensor {shape[2]}, or an MLA one with rows_per_token=1 and a 2-D "
+                                  f"cache_tensor {shape[1]}, and block_physical_stride = rows_per_token * "
+                                  f"tokens_per_page * layers, got rows_per_token={rpt}, stride={self.stride}, "
+                                  f"page_size={self.page_size}, layers={layers}, cache_tensor {tuple(tensor.shape)}; "
+                                  f"{_FIX}")
         if reserved < 1:
             raise ValidationError(f"kv-canary: expected the cache pool to reserve its first sector (the padding "
                                   f"reads' trash, canary slot 0), got num_reserved_sectors={reserved}; {_FIX}")
@@ -90,21 +100,24 @@ class PagedLayout:
         if not self.view.is_c_contiguous():
             raise ValidationError(f"kv-canary: expected a contiguous cache_tensor, got strides "
                                   f"{self.view.strides}; {_FIX}")
-        self.token_bytes = int(tensor.shape[2]) * int(tensor.shape[3]) * self.view.itemsize
-        rows = 2 * int(tensor.shape[0])
+        self.halves = ("K", "V") if rpt == 2 else ("K",)
+        row = int(tensor.shape[2]) * int(tensor.shape[3]) if rpt == 2 else int(tensor.shape[1])  # K or V; MLA's row
+        self.token_bytes = row * self.view.itemsize
+        rows = rpt * int(tensor.shape[0])
         self.num_blocks = rows // self.stride
         self.num_slots = self.num_blocks * self.page_size
 
     def sources(self, layers) -> tuple[list[RealKvSource], list[RealKvSource]]:
         """K and V sources of the chosen layers (``layers`` indexes the allocator's layers, which for
-        a full-attention model are the model's). Source of layer i, half h: rows are blocks (row
-        stride ``stride * token_bytes``), starting at page ``2 i + h`` of block 0."""
+        a full-attention model are the model's); MLA: K only (its rows), V empty. Source of layer i,
+        half h: rows are blocks (row stride ``stride * token_bytes``), starting at the layer's page
+        ``rows_per_token * i + h`` of block 0."""
         chosen = select_layers(len(self.layer_indices), layers, what="model")
-        v, tb = self.view, self.token_bytes
+        v, tb, rpt = self.view, self.token_bytes, self.rows_per_token
         out = ([], [])
         for i in chosen:
-            for half in (0, 1):
-                start = v.ptr + (2 * i + half) * self.page_size * tb
+            for half in range(len(self.halves)):
+                start = v.ptr + (rpt * i + half) * self.page_size * tb
                 rows = from_pointer(start, (self.num_blocks, self.page_size * tb), np.uint8, device=v.device,
                                     strides=(self.stride * tb, 1), readonly=v.readonly, owner=v)
                 out[half].append(RealKvSource(rows, self.page_size, tb))

@@ -23,8 +23,9 @@ CUDA graphs, async batching, the decode fast path, torch.compile and their paddi
 slots are the cache's own token positions (:class:`~.transformers_layout.PagedLayout`): the block
 pool, the schedule and the tokens are those of a run without the canary; the canary reads what the
 attention reads (:mod:`.transformers_batch`), only the expected tokens come from the host.
-Supported: models whose layers all use full attention; forks (``num_return_sequences > 1``) copy
-blocks without their records and are refused.
+Supported: models whose layers all use full attention, MLA models (``config.kv_lora_rank`` set:
+transformers 5.25's ``MLACacheAllocator``, one cache row per token, one canary half) included; forks
+(``num_return_sequences > 1``) copy blocks without their records and are refused.
 """
 
 from __future__ import annotations
@@ -218,9 +219,9 @@ class TransformersCanary:
             layout = PagedLayout(cache)
             k, v = layout.sources(self.layers)
             device = _cache_device(cache)
-            self.canary = KvCanary(PoolGroup(layout.num_slots, k, v), device=device, hash_mode=self.hash_mode,
-                                   mode=self.mode, max_batch=processor.cb_config.max_requests_per_batch,
-                                   **self.kvcanary_kwargs)
+            self.canary = KvCanary(PoolGroup(layout.num_slots, k, v, halves=layout.halves), device=device,
+                                   hash_mode=self.hash_mode, mode=self.mode,
+                                   max_batch=processor.cb_config.max_requests_per_batch, **self.kvcanary_kwargs)
             self.canary.add_listener(self._record, stats=False)  # violations only: no per-step stats records
             self.cache, self.layout = cache, layout
             staged = device is not None and self.stage_on_device

@@ -120,7 +120,7 @@ class KvCanary:
         s = self.backend.stream(stream, batch)
         if not self.stages.run(batch, STAGES[k], s, end):
             return False
-        self.monitor.stage_runs[k] += 1
+        self.monitor.ran(k)
         return s
 
     def launches_per_step(self) -> int:
@@ -253,7 +253,8 @@ class KvCanary:
     def health_check(self) -> None:
         """Raise if a launch that should have run has not advanced its kernel_run_counter, or if a
         launch's batch disagreed with the plan built at HEAD (ENTRY_COUNT rows, or verify entries the
-        kernels skipped for it), as of the newest processed snapshot."""
+        kernels skipped for it), or if violation rows were lost to a full ring (an ENTRY_COUNT row
+        among them cannot be ruled out), as of the newest processed snapshot."""
         with self._lock:
             self.monitor.health_check()
 

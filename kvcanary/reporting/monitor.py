@@ -36,6 +36,7 @@ class Monitor:
         self.expected = np.zeros(len(self.keys), np.int64)
         self._replays: dict = {}  # stages -> the increments of one replay (replayed)
         self.stage_runs = [0, 0]
+        self.closed = True  # the newest stage enqueued was a TAIL (no step is open between HEAD and TAIL)
         self.masks = [np.array([k.stage == st for k in self.keys], np.int64) for st in STAGES]
         self.last = None  # (newest snapshot processed, its meta)
         self.skipped = 0
@@ -44,18 +45,24 @@ class Monitor:
         full = parts.groups["FULL"].resolved_halves()[0]
         self.tokens_ctx = self.keys.index(Key("TAIL", "FULL", full, "write"))
         self.verifies = np.array([i for i, k in enumerate(self.keys) if k.op == "verify"], np.intp)
-        # request verdicts (docs/format.md §5.7): a step's words are whole once its TAIL verify ran as
-        # often as its HEAD verify, and are reported once per HEAD run (the device's step count)
+        # request verdicts (docs/format.md §5.7): a step's words are whole in a snapshot that closes the
+        # step (after its TAIL), and are reported once per HEAD run (the device's step count, this cell)
         self.ring_requests = parts.ring_requests
-        self.verdict_runs = (self.layout.runs(self.keys.index(Key("HEAD", "FULL", full, "verify"))),
-                             self.layout.runs(self.keys.index(Key("TAIL", "FULL", full, "verify"))))
+        self.head_runs = self.layout.runs(self.keys.index(Key("HEAD", "FULL", full, "verify")))
         self.verdict_run = 0          # the HEAD run whose verdicts were reported last
         self.failed: list[FailedRequest] = []  # reported, not yet taken (KvCanary.failed_requests)
         self.ended = None  # how the step's last launch took its snapshot (:meth:`claim`)
 
     def meta(self, tail: int = 0):
-        """What a snapshot taken now carries (``tail``: TAIL runs enqueued with it, not yet counted)."""
-        return (self.step, self.stage_runs[0], self.stage_runs[1] + tail, self.expected, self.ledger.floor)
+        """What a snapshot taken now carries (``tail``: TAIL runs enqueued with it, not yet counted),
+        the last item whether it closes a step (taken after a TAIL, not between a HEAD and its TAIL)."""
+        return (self.step, self.stage_runs[0], self.stage_runs[1] + tail, self.expected, self.ledger.floor,
+                bool(tail) or self.closed)
+
+    def ran(self, k: int) -> None:
+        """Stage ``STAGES[k]`` was enqueued (or run on the host): counted, and whether a step is open."""
+        self.stage_runs[k] += 1
+        self.closed = k == 1
 
     # the snapshot a step's last launch takes (backends' run_stage ``end``): "folded" once claimed,
     # "skipped" when every FIFO slot was in flight, None when the stage took none (report launches one)
@@ -83,6 +90,7 @@ class Monitor:
             inc[[i for i, k in enumerate(self.keys) if k.stage in stages]] = 1
             self._replays[stages] = inc
         self.expected = self.expected + inc
+        self.closed = "TAIL" in stages
 
     def report(self, stream, advance: bool) -> None:
         """Report the snapshots completed so far, then snapshot again on ``stream`` (None: no new
@@ -129,7 +137,7 @@ class Monitor:
         warns from ``stacklevel`` frames up (the caller of the public method that reported it).
         A plan is built by a HEAD run and read by every later snapshot until the next one, so a
         skipped verify is counted (and warned about) once per HEAD run, for the step that ran it."""
-        step, head, tail, base, floor = meta
+        step, head, tail, base, floor, closed = meta
         self.last = (snap, meta)
         for k, g in enumerate(self.groups):
             if not snap[self.layout.plan(k) + 1] & abi.INT32_MASK and (head or tail or base.any()):
@@ -141,7 +149,7 @@ class Monitor:
                               f"more cached entries than verify_capacity ({self.plans[g].verify_capacity}); fix: "
                               f"raise verify_capacity", RuntimeWarning, stacklevel=stacklevel)
         start, stop, lost = self.ledger.window(snap[abi.STATUS_CLAIM], floor)
-        due = self.verdicts_due(snap)
+        due = closed and self.verdicts_due(snap)
         rows = requests = None
         if stop > start or lost:
             rows, requests = self.backend.read_rows(self.ring, start, stop, self.ring_requests if due else None)
@@ -156,20 +164,23 @@ class Monitor:
             self.reporter.stats(self.stats_of(snap, step), emit)
 
     def verdicts_due(self, snap: list) -> bool:
-        """Whether a snapshot has failed requests not reported yet (docs/format.md §5.7): it carries
-        the verdict words only when its step failed a request; one taken between a HEAD and its TAIL
-        waits for the TAIL's; each HEAD run (the device's step count) is reported once."""
+        """Whether a snapshot that closes a step (its meta says so: one taken between a HEAD and its
+        TAIL waits for the TAIL's) has failed requests not reported yet (docs/format.md §5.7): it
+        carries the verdict words only when its step failed a request; each HEAD run (the device's
+        step count) is reported once. Whether the step is closed comes from the host, which knows
+        the order it enqueued the stages in: the device's HEAD and TAIL run counts differ for good
+        after a step whose TAIL never came (its forward raised), and agree between a HEAD and its
+        TAIL after a TAIL without its HEAD."""
         lay = self.layout
         if len(snap) <= lay.failed + 1 or not snap[lay.failed]:
             return False
-        head, tail = (snap[i] for i in self.verdict_runs)
-        return head == tail and head != self.verdict_run
+        return snap[self.head_runs] != self.verdict_run
 
     def verdicts(self, snap: list, step: int, rows, requests) -> None:
         """Report the failed requests of a :meth:`verdicts_due` snapshot (with the step's ring rows and
         their requests, None when it has none) and keep them for :meth:`take_failed`."""
         lay = self.layout
-        self.verdict_run = snap[self.verdict_runs[0]]
+        self.verdict_run = snap[self.head_runs]
         if rows is None:
             rows, requests = np.zeros((0, abi.RING_COLS), np.int64), np.zeros(0, np.int64)
         found = failed_requests(step, snap[lay.failed + 1:lay.failed + 1 + lay.requests], rows, requests)
@@ -210,6 +221,9 @@ class Monitor:
             bad.append(f"a launch's batch disagreed with the plan built at HEAD: {self.plan_mismatches} "
                        f"BATCH_INDEX_OUT_OF_RANGE rows with batch_field=ENTRY_COUNT (one per request and launch) "
                        f"and {snap[abi.STATUS_SKIPS]} verify entries skipped without a row")
+        elif self.ledger.lost:  # a batch with more cached entries than its plan skips none: its rows say it
+            bad.append(f"{self.ledger.lost} violation rows were lost to a full ring, so a launch whose batch "
+                       f"disagreed with its plan (ENTRY_COUNT rows) cannot be ruled out (raise ring_capacity)")
         bad += self.self_test.problems(runs, self.ledger.lost)
         if bad:
             raise KvCanaryError("kv-canary: health check failed, expected every enqueued canary launch to have "

@@ -255,7 +255,7 @@ def transformers_version(v):
 
 
 rows("adapters.check_transformers_version", transformers_version,
-     [("'4.57.0'", "4.57.0", ERR), ("'junk'", "junk", ERR), ("None", None, ERR), ("'5.25.0.dev0'", "5.25.0.dev0", ERR),
+     [("'4.57.0'", "4.57.0", ERR), ("'junk'", "junk", ERR), ("None", None, ERR), ("'5.26.0.dev0'", "5.26.0.dev0", ERR),
       ("'5.20.1'", "5.20.1", OK)])
 rows("adapters.TransformersCanary", lambda kw: tc(**kw),
      [("hash_mode='x'", {"hash_mode": "x"}, ERR), ("hash_mode=1", {"hash_mode": 1}, TYPE), ("mode='warn'", {"mode": "warn"}, ERR),

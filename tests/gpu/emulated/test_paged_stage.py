@@ -303,3 +303,19 @@ def test_expected_tokens_larger_than_their_pinned_source_are_refused():
     with pytest.raises(kc.ValidationError, match=r"kv-canary: a step's expected tokens must fit the pinned buffer "
                                                  r".*\(16 tokens\), got a stager of \d+ tokens"):
         sb.write_expected(pending, 8, 0)
+
+
+def test_an_engine_array_with_strided_elements_is_refused():
+    """A 1-D view whose elements are not contiguous (every other int64 of a buffer) would stage
+    the interleaved memory: refused, saying what was expected, what was got and the fix."""
+    from kvcanary.interop.arrays import from_pointer
+    data, pending = step_data(10, 4)
+    dev = as_device(data)
+    t = data["input_ids"].shape[1]
+    both = memory.to_device(np.repeat(data["input_ids"][0].astype(np.int64), 2))
+    dev["input_ids"] = [from_pointer(both.ptr, (t,), np.int64, device=0, strides=(16,), owner=both)]
+    stager = PagedBatchStager(LAYOUT, max_reqs=4, max_tokens=64, max_writes=64)
+    with pytest.raises(kc.ValidationError, match=r"kv-canary: input_ids must be a 1-D array with contiguous elements, "
+                                                 r"got shape \(\d+,\), strides \(16,\)\. Fix: .*contiguous"):
+        staged(stager, dev, pending)
+    assert stager.launches == 0
