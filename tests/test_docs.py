@@ -211,6 +211,19 @@ def test_the_readmes_commands_are_what_ci_and_a_new_user_run():
     assert setup == venv + "pip install -e . && python -m kvcanary demo" and tests.startswith(venv)
 
 
+def test_the_readmes_main_job_runs(tmp_path):
+    """The set-up command's job, as a new user runs it after the install: the default demo exits 0
+    (every exercised injection caught, no false positive). The install half is .ci/run's."""
+    import subprocess
+    import sys
+    job = docblocks.block("setup").code.rsplit(" && ", 1)[1]
+    assert job == "python -m kvcanary demo"
+    done = subprocess.run([sys.executable, *job.split()[1:]], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-2000:])
+    assert "result: every exercised injection of a covered class was caught; no false positives" in done.stdout
+
+
 def test_the_demo_guides_commands_run(tmp_path):
     """docs/demo.md's example commands run as written and exit 0 (every injection caught)."""
     import subprocess
