@@ -1,0 +1,129 @@
+"""GPU tier (emulated without a GPU): the lost-write check (docs/format.md §7.1, K14) of the write
+kernel against the CPU reference, byte for byte, on seeded workloads with lost stores mixed into
+clean traffic: the serial chunked path, the chain-source path and long requests, every hash mode
+that reads KV bytes. The slots whose store was lost are known by construction; the reference must
+report exactly those, and the kernel whatever the reference does."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvcanary as kc
+from kvcanary import abi
+from kvcanary.runtime import memory
+from tests.support import workloads
+
+pytestmark = [pytest.mark.gpu, pytest.mark.emulated]
+
+LOST = int(abi.FailReason.LOST_WRITE)
+host = lambda a: a  # noqa: E731
+to_host = lambda a: a.numpy() if hasattr(a, "numpy") and not isinstance(a, np.ndarray) else np.asarray(a)  # noqa: E731
+to_dev = lambda a: memory.to_device(np.ascontiguousarray(a))  # noqa: E731
+
+
+def _second_step(w, rng, lost_fraction):
+    """Step 2 of workload ``w``: every slot step 1 wrote gets a new token (other than its old one)
+    at a new position, and new KV bytes (the engine's store) except a ``lost_fraction`` of them.
+    Returns (step-2 ids, positions, pools after the stores, the slots whose store was lost)."""
+    ids = w.input_ids + 1 + rng.integers(0, 1000, len(w.input_ids))
+    positions = w.positions + 1000
+    pools = [big.copy() for big, _ in w.pools]
+    written = np.unique(w.out_cache_loc[w.out_cache_loc > 0])
+    lost = set(rng.choice(written, max(1, int(len(written) * lost_fraction)), replace=False).tolist())
+    for k, ((_, col), bpt) in enumerate(zip(w.pools, w.bytes_per_token)):
+        for s in written.tolist():
+            if s in lost:
+                continue
+            row, off = divmod(s, w.page_size)
+            start = col + off * bpt
+            pools[k][row, start:start + bpt] = rng.integers(0, 256, bpt, dtype=np.uint8)
+    return ids, positions, pools, lost
+
+
+def _two_steps(w, B, ids2, pos2, pools2, chain_source):
+    """Step 1 stamps ``w`` into a zeroed TAIL buffer over ``w.pools``; step 2 stamps (ids2, pos2)
+    over ``pools2`` (with ``chain_source``: taking its chain from a HEAD buffer stamped first without
+    sources). Returns the TAIL buffer, its ring rows (sorted, with requests) and counters."""
+    def context(buf, pools, mode, tag, ring):
+        srcs = [] if mode == abi.HashMode.NONE else [
+            kc.RealKvSource(workloads.columns(B(big.copy()), col, w.page_size * b), w.page_size, b, r)
+            for big, (_, col), b, r in zip(pools, w.pools, w.bytes_per_token, w.read_bytes)]
+        return kc.VerifyContext(buf, ring, tag, srcs, mode)
+
+    def sink():
+        return kc.ViolationSink(B(np.zeros((w.ring_capacity, 8), np.int64)), B(np.zeros(1, np.int32)),
+                                B(np.zeros(1, np.int64)), B(np.zeros(1, np.int64)),
+                                verdicts=B(np.zeros(len(w.seed), np.int64)), failed_requests=B(np.zeros(1, np.int64)),
+                                ring_requests=B(np.full(w.ring_capacity, -7, np.int64)))
+
+    plan = kc.StepPlan(len(w.seed), 8, None)
+    plan.offsets, plan.seed, plan.num_valid_reqs = B(w.offsets), B(w.seed), B(np.array([w.num_valid_reqs], np.int32))
+    tail_buf = kc.CanaryBuffer(B(np.zeros((w.num_slots, 32), np.uint8)))
+    first = context(tail_buf, [big for big, _ in w.pools], w.mode, abi.LaunchTag.TAIL_K_FULL, sink())
+    plan.device = first.device
+    kc.write(first, plan, B(w.input_ids), B(w.positions), B(w.out_cache_loc))
+    head = None
+    if chain_source:
+        head = context(kc.CanaryBuffer(B(np.zeros((w.num_slots, 32), np.uint8))), pools2, abi.HashMode.NONE,
+                       abi.LaunchTag.HEAD_K_FULL, sink())
+        kc.write(head, plan, B(ids2), B(pos2), B(w.out_cache_loc))
+    second = context(tail_buf, pools2, w.mode, abi.LaunchTag.TAIL_K_FULL, sink())
+    kc.write(second, plan, B(ids2), B(pos2), B(w.out_cache_loc), chain_from=head)
+    arrs, v = second.sink.arrays, second.sink.verdict_arrays
+    effects = {"ring": to_host(arrs[0]), "write_index": int(to_host(arrs[1])[0]),
+               "ring_requests": to_host(v[2])}
+    return (to_host(tail_buf.array).copy(), workloads.ring_rows(effects), effects["write_index"],
+            int(to_host(arrs[3])[0]), to_host(v[0]).tolist(), int(to_host(v[1])[0]))
+
+
+CASES = [(abi.HashMode.PARTIAL, 1, False), (abi.HashMode.ALL, 2, False), (abi.HashMode.PARTIAL, 22, True),
+         (abi.HashMode.ALL, 4, True), (abi.HashMode.PARTIAL, 64, True), (abi.HashMode.PARTIAL, 64, False)]
+
+
+@pytest.mark.parametrize("mode,nsrc,chain_source", CASES)
+def test_lost_writes_mixed_into_clean_traffic_equal_the_reference(mode, nsrc, chain_source):
+    """Requests of 1-3 and up to 300 tokens (decode and prefill, several 192-entry chunks), holes,
+    10 % of the stores lost: reference == kernel (buffer, rows with their requests, counters,
+    verdicts), and the reference's LOST_WRITE rows name exactly the lost slots."""
+    w = workloads.make(430 + nsrc, num_slots=4096, page_size=16, mode=mode, num_sources=nsrc,
+                       num_reqs=40 if nsrc < 64 else 8, max_len=300)
+    ids2, pos2, pools2, lost = _second_step(w, np.random.default_rng(nsrc), 0.1)
+    ref = _two_steps(w, host, ids2, pos2, pools2, False)
+    got = _two_steps(w, to_dev, ids2, pos2, pools2, chain_source)
+    np.testing.assert_array_equal(ref[0], got[0])
+    assert ref[1:] == got[1:]
+    assert {row[1] for row in ref[1] if row[7] & LOST} == lost
+    assert all(row[7] == LOST for row in ref[1]) and ref[5] > 0  # nothing else fires; requests fail
+
+
+def test_clean_second_step_reports_nothing_on_either_backend():
+    w = workloads.make(440, num_slots=4096, page_size=16, mode=abi.HashMode.PARTIAL, num_sources=3, max_len=300)
+    ids2, pos2, pools2, _ = _second_step(w, np.random.default_rng(1), 0.0)
+    pools2 = [p.copy() for p in pools2]
+    rng = np.random.default_rng(2)
+    for k, ((_, col), bpt) in enumerate(zip(w.pools, w.bytes_per_token)):  # every store happens
+        for s in np.unique(w.out_cache_loc[w.out_cache_loc > 0]).tolist():
+            row, off = divmod(s, w.page_size)
+            pools2[k][row, col + off * bpt:col + (off + 1) * bpt] = rng.integers(0, 256, bpt, dtype=np.uint8)
+    for B in (host, to_dev):
+        assert _two_steps(w, B, ids2, pos2, pools2, B is to_dev)[2] == 0
+
+
+def test_repeated_slots_across_chunks_check_in_entry_order():
+    """One request of 1500 entries over 300 slots (repeats within and across 192-entry chunks, over
+    unchanged bytes): each later occurrence finds the previous occurrence's record, as the
+    reference checks entries in order; the kernel's last occurrence per chunk checks them."""
+    w = workloads.make(441, num_slots=4000, page_size=16, num_reqs=1, max_len=2, mode=abi.HashMode.PARTIAL)
+    rng = np.random.default_rng(3)
+    n = 1500
+    w.offsets = np.array([0, n], np.int64)
+    w.input_ids = rng.integers(0, 1 << 30, n).astype(np.int64)
+    w.positions = np.arange(n, dtype=np.int64)
+    w.out_cache_loc = rng.integers(1, 300, n).astype(np.int64)
+    w.out_cache_loc[rng.random(n) < 0.05] = -1
+    ref = _two_steps(w, host, w.input_ids[::-1].copy(), w.positions, [big for big, _ in w.pools], False)
+    got = _two_steps(w, to_dev, w.input_ids[::-1].copy(), w.positions, [big for big, _ in w.pools], False)
+    np.testing.assert_array_equal(ref[0], got[0])
+    assert ref[1:] == got[1:]
+    assert ref[2] > n // 2
