@@ -382,14 +382,16 @@ __device__ __forceinline__ unsigned kvc_warp_commit(const KvcWriteParams& p, lon
   // The lost-write check: the lane that stores a slot checks its earlier occurrences in the
   // request (they store nothing), in order, then its own entry (the shuffles in every lane).
   const int n = (int)(end - start);
-  const bool checks = lane < n && !e.repeated && kvc_checks_lost_write(p, e.slot);
-  KvcPrevRecord prev{0, 0, 0};
-  if (checks) prev = kvc_prev_record(p, e.slot);
-  for (int j = 0; j < n; ++j) {
-    const long long sj = __shfl_sync(KVC_FULL_MASK, e.slot, j), tj = __shfl_sync(KVC_FULL_MASK, e.token, j);
-    const long long pj = __shfl_sync(KVC_FULL_MASK, e.position, j);
-    const uint64_t cj = __shfl_sync(KVC_FULL_MASK, e.chain, j), fj = __shfl_sync(KVC_FULL_MASK, e.rkv, j);
-    if (checks && j <= lane && sj == e.slot) prev = kvc_lost_write(p, r, e.slot, prev, tj, pj, cj, fj);
+  if (p.num_sources > 0) {  // the same in every lane: a write without fingerprints checks nothing
+    const bool checks = lane < n && !e.repeated && kvc_checks_lost_write(p, e.slot);
+    KvcPrevRecord prev{0, 0, 0};
+    if (checks) prev = kvc_prev_record(p, e.slot);
+    for (int j = 0; j < n; ++j) {
+      const long long sj = __shfl_sync(KVC_FULL_MASK, e.slot, j), tj = __shfl_sync(KVC_FULL_MASK, e.token, j);
+      const long long pj = __shfl_sync(KVC_FULL_MASK, e.position, j);
+      const uint64_t cj = __shfl_sync(KVC_FULL_MASK, e.chain, j), fj = __shfl_sync(KVC_FULL_MASK, e.rkv, j);
+      if (checks && j <= lane && sj == e.slot) prev = kvc_lost_write(p, r, e.slot, prev, tj, pj, cj, fj);
+    }
   }
   if (lane >= n) return 0;
   return kvc_write_entry(p, r, start + lane, e.slot, e.token, e.position, e.chain, e.prev_position, e.rkv,

@@ -127,3 +127,70 @@ def test_repeated_slots_across_chunks_check_in_entry_order():
     np.testing.assert_array_equal(ref[0], got[0])
     assert ref[1:] == got[1:]
     assert ref[2] > n // 2
+
+
+def _fold_step(lens, rng, *, fold: bool):
+    """One HEAD-style step of a K and a V buffer with sources (PARTIAL), launched as the plan build
+    then the paired writes, or (``fold``) as kvc_prepare_write_pair(_warps): buffers, sorted rows
+    with their requests, counters. Records before it: random identities whose REAL_KV_HASH is the
+    fingerprint of the slot's bytes for half of the slots (their bytes unchanged since: a lost
+    store if the token differs); requests repeat a few slots."""
+    from kvcanary.ops import _run, prepare_build_plan, prepare_write
+    from kvcanary.reference.canary import RefSource, fingerprint
+    from kvcanary.runtime.launch import folded, paired
+    n, R = 512, len(lens)
+    pools = [rng.integers(0, 256, (n, 32), dtype=np.uint8) for _ in range(2)]
+    records = []
+    for pool in pools:
+        words = rng.integers(-(1 << 62), 1 << 62, (n, 4)).astype(np.int64)
+        same = rng.random(n) < 0.5
+        fp = fingerprint(np.arange(n), [RefSource(pool, 1, 32, 16)]).view(np.int64)
+        words[same, abi.FIELD_REAL_KV_HASH] = fp[same]
+        records.append(words)
+    total = int(sum(lens))
+    loc = rng.permutation(np.arange(1, n))[:total].astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(lens)])
+    for r in range(R):  # a slot repeated later in its request
+        if lens[r] >= 3:
+            loc[offsets[r] + lens[r] - 1] = loc[offsets[r]]
+    ids = rng.integers(0, 1000, total).astype(np.int64)
+    positions = np.concatenate([np.arange(k) for k in lens]).astype(np.int64)
+    rtt = np.zeros((R + 1, 64), np.int32)
+    for r in range(R):
+        rtt[r + 1, :lens[r]] = loc[offsets[r]:offsets[r + 1]]
+    d = to_dev
+    batch = kc.Batch(d(np.arange(1, R + 1, dtype=np.int64)), d(np.zeros(R, np.int64)), d(np.asarray(lens, np.int64)),
+                     d(rtt), d(ids), d(positions), d(loc))
+    plan = kc.StepPlan.allocate(R, 64, device=0)
+    ctxs = []
+    for h, (pool, words) in enumerate(zip(pools, records)):
+        sink = kc.ViolationSink(d(np.zeros((4096, 8), np.int64)), d(np.zeros(1, np.int32)), d(np.zeros(1, np.int64)),
+                                d(np.zeros(1, np.int64)), verdicts=d(np.zeros(R, np.int64)),
+                                failed_requests=d(np.zeros(1, np.int64)), ring_requests=d(np.full(4096, -7, np.int64)))
+        ctxs.append(kc.VerifyContext(kc.CanaryBuffer(d(words.view(np.uint8).copy())), sink,
+                                     abi.LaunchTag(abi.LaunchTag.TAIL_K_FULL + h), [kc.source_from_slots(d(pool))],
+                                     abi.HashMode.PARTIAL))
+    build = prepare_build_plan(batch, plan, ctx=ctxs[0])
+    pair = paired(*(prepare_write(c, plan, batch.input_ids, batch.positions, batch.out_cache_loc) for c in ctxs))
+    launches = [folded(build[0], pair)] if fold else [*build, pair]
+    assert launches[0] is not None and (launches[0].name.startswith("kvc_prepare_write_pair") == fold)
+    _run(launches)
+    out = []
+    for c in ctxs:
+        arrs, v = c.sink.arrays, c.sink.verdict_arrays
+        effects = {"ring": to_host(arrs[0]), "write_index": int(to_host(arrs[1])[0]), "ring_requests": to_host(v[2])}
+        out.append((to_host(c.buffer.array).copy(), workloads.ring_rows(effects), to_host(v[0]).tolist()))
+    return out
+
+
+@pytest.mark.parametrize("lens", [[1, 3, 1, 5, 2], [20, 3, 40, 1, 60]], ids=["warps", "block"])
+def test_the_folded_write_checks_lost_writes_like_the_write_kernel(lens):
+    """HEAD's folded launch (kvc_prepare_write_pair: its warp path and, past 32 tokens, its block
+    path) with sources reports the same lost writes as the plan build then kvc_write_pair (== the
+    reference, above): the fold's stores, rows and verdicts, slots repeated within a request."""
+    apart = _fold_step(lens, np.random.default_rng(7), fold=False)
+    together = _fold_step(lens, np.random.default_rng(7), fold=True)
+    for a, b in zip(apart, together):
+        np.testing.assert_array_equal(a[0], b[0])
+        assert a[1:] == b[1:]
+    assert any(row[7] & LOST for half in apart for row in half[1])
