@@ -156,3 +156,47 @@ def test_record_fields_keep_format_v1():
     kv, ctx = pool(), Ctx(SLOTS)
     ctx.write([(-1, [5], [11], [0])], sources=[src(kv)])
     assert ctx.field(5, FIELD_REAL_KV_HASH) == to_i64(int(fingerprint([5], [src(kv)])[0]))
+
+
+def test_the_manager_logs_exports_and_fails_the_request_of_a_lost_write(caplog):
+    """Through KvCanary (host backend, mode fail_request): two requests decode; in step 2 request 1's
+    slot is a slot request 0 freed in step 1, and its store is lost (the bytes stay request 0's). The
+    TAIL writes report it: a log line and a JSON record that say lost_write, and a FailedRequest for
+    batch index 1 only, with that slot."""
+    import logging
+
+    import kvcanary as kc
+    n = 32
+    k, v = np.zeros((n, 32), np.uint8), np.zeros((n, 32), np.uint8)
+    records = []
+    canary = kc.KvCanary(kc.PoolGroup(n, [kc.source_from_slots(k)], [kc.source_from_slots(v)]), device=None,
+                         max_batch=2, mode="fail_request", export=records.append)
+    rtt = np.zeros((3, 8), np.int32)
+
+    def step(slots, tokens, positions, stores):
+        rtt[1, positions[0]], rtt[2, positions[1]] = slots
+        b = kc.Batch(np.array([1, 2]), np.array(positions), np.ones(2, np.int64), rtt.copy(),
+                     input_ids=np.array(tokens), positions=np.array(positions), out_cache_loc=np.array(slots))
+        canary.before_forward(b)
+        for s, t, store in zip(slots, tokens, stores):  # the forward: each token's K and V, unless lost
+            if store:
+                k[s] = np.random.default_rng([t, 0]).integers(1, 256, 32, dtype=np.uint8)
+                v[s] = np.random.default_rng([t, 1]).integers(1, 256, 32, dtype=np.uint8)
+        canary.after_forward(b)
+
+    with caplog.at_level(logging.WARNING, logger="kvcanary"):
+        step([5, 6], [100, 200], [0, 0], [True, True])
+        rtt[1, 0] = 9  # request 0's first token moved (its slot 5 freed and handed to request 1)
+        k[9], v[9] = k[5], v[5]
+        step([9, 5], [101, 201], [0, 1], [True, False])  # request 1's store into slot 5 is lost
+        canary.flush()
+    lines = [r.getMessage() for r in caplog.records if "kv_canary violation" in r.getMessage()]
+    assert len(lines) == 2 and all("fail_reason=lost_write slot_idx=5 position=1 stored_token=201 "
+                                   "expected_token=100" in line for line in lines), lines
+    rows = [r for r in records if r["type"] == "violation"]
+    assert {r["launch_tag"] for r in rows} == {"TAIL_K_FULL", "TAIL_V_FULL"}
+    assert all(r["fail_reason"] == ["lost_write"] and r["fail_reason_bits"] == LOST for r in rows)
+    failed = [r for r in records if r["type"] == "failed_request"]
+    assert [(f["batch_index"], f["reasons"], f["slots"]) for f in failed] == [(1, "lost_write", [5])], failed
+    assert any("kv_canary failed request: step=1 batch_index=1 fail_reason=lost_write slots=[5]" in r.getMessage()
+               for r in caplog.records)
