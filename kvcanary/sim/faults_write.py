@@ -19,6 +19,13 @@ def _stale(pool, names, slots, old: dict) -> np.ndarray:
     return np.any([(pool.read(n, slots) != old[n]).any(axis=1) for n in names], axis=0)
 
 
+def _lane_kind(ln, lane: int) -> str:
+    """Whether lane ``lane`` of a step carries a prefill, decode or draft token."""
+    i = int(np.searchsorted(ln.start[:len(ln.reqs)], lane, side="right")) - 1
+    r = ln.reqs[i]
+    return "prefill" if r.cached < r.prompt_len else ("decode" if lane == ln.start[i] else "draft")
+
+
 class K14(Fault):
     """Lost write: the engine's bookkeeping is right (the canary stamps the token into its slot)
     but the KV store never reaches the slot, which keeps its previous occupant's bytes. The store
@@ -52,6 +59,7 @@ class K14(Fault):
         halves = str(self.pick(["K", "V", "KV"]))
         names = [n for n in pool.specs if n[0] in halves]
         keys = eng.slot_key if group == "FULL" else eng.swa_key
+        self.lanes = [_lane_kind(ln, int(i)) for i in lanes]
         self.saved = (group, pool, names, slots, {n: pool.read(n, slots) for n in names}, keys[slots].copy(),
                       variant, halves)
 
@@ -67,7 +75,9 @@ class K14(Fault):
         keys = eng.slot_key if group == "FULL" else eng.swa_key
         keys[slots] = old_keys
         if stale.any():  # a slot reused by the same content keeps the right bytes: no fault there
-            self.fire(eng, {group: slots[stale]}, variant=f"{variant} ({halves})", tokens=int(stale.sum()))
+            where = halves + (", SWA group" if group == "SWA" else "")
+            self.fire(eng, {group: slots[stale]}, variant=f"{variant} ({where})", tokens=int(stale.sum()),
+                      lanes=sorted(set(self.lanes)))
         else:
             self.saved = None
 
