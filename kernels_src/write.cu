@@ -117,7 +117,8 @@ __device__ __forceinline__ bool kvc_write_entry(const KvcWriteParams& p, long lo
 // is compared with the record the slot holds just before the entry is stamped. Unchanged bytes
 // (the record's REAL_KV_HASH is the entry's fingerprint) under another token mean that the store
 // of this token's KV never reached the slot. Only the thread that stores a slot reads its record
-// (before its store), so within a request nothing reads a record another thread writes.
+// (before its store), so within a request nothing reads a record another thread writes. A negative
+// token is one the engine did not know (the vLLM connector's async decode token, -1): it matches any.
 struct KvcPrevRecord {
   long long token, position;
   uint64_t rkv;
@@ -137,7 +138,7 @@ __device__ __forceinline__ KvcPrevRecord kvc_prev_record(const KvcWriteParams& p
 __device__ __forceinline__ KvcPrevRecord kvc_lost_write(const KvcWriteParams& p, long long r, long long slot,
                                                         const KvcPrevRecord& prev, long long token,
                                                         long long position, uint64_t chain, uint64_t rkv) {
-  if (prev.rkv == rkv && prev.token != token)
+  if (prev.rkv == rkv && prev.token != token && prev.token >= 0 && token >= 0)  // negative: token unknown
     kvc_record(p, r, slot, position, token, prev.token, chain, (uint64_t)prev.position, KVC_LOST_WRITE);
   return KvcPrevRecord{token, position, rkv};
 }

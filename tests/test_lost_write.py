@@ -80,6 +80,17 @@ def test_padding_slot_skipped_entries_and_identity_only_writes_never_report():
     assert rows(head) == []
 
 
+def test_an_unknown_token_matches_any():
+    """The vLLM connector stamps -1 for a decode token its scheduler did not know (async scheduling);
+    a preempted request recomputed into the same slot re-stamps it with the known token over the same
+    bytes: not a lost write. Nor is the reverse, or -1 over -1."""
+    kv, ctx = pool(), Ctx(SLOTS)
+    ctx.write([(-1, [5, 6], [-1, 7], [34, 35])], sources=[src(kv)])
+    ctx.write([(-1, [5, 6], [762, -1], [34, 35])], sources=[src(kv)])
+    ctx.write([(-1, [5], [-1], [36])], sources=[src(kv)])
+    assert rows(ctx) == []
+
+
 def test_a_never_written_slot_of_a_zeroed_pool_that_stays_zero_is_a_lost_write():
     """A record never written holds zeros, and so do its hashed bytes in a zeroed pool (the
     fingerprint of zero bytes is 0): a write whose store was lost into a fresh slot is reported;

@@ -250,7 +250,8 @@ def lost_writes(words, req, slot, token, position, fp):
     with the record the slot holds just before it is stamped: the record an earlier entry of the
     same request stamped there, else the buffer's record before the launch (``words``, int64
     ``[num_slots, >= 4]``). A lost write: that record's REAL_KV_HASH equals ``fp`` while its TOKEN
-    differs from ``token`` (the bytes did not change, the token did). Returns the indices of the
+    differs from ``token`` (the bytes did not change, the token did), both tokens known (>= 0: the
+    vLLM connector stamps -1 for a token the scheduler did not know). Returns the indices of the
     entries with a lost write and, per entry, the previous record's TOKEN and POSITION."""
     n = len(slot)
     prev_tok = words[slot, FIELD_TOKEN].copy() if n else np.zeros(0, np.int64)
@@ -260,5 +261,6 @@ def lost_writes(words, req, slot, token, position, fp):
     same = (req[order][1:] == req[order][:-1]) & (slot[order][1:] == slot[order][:-1])
     later, earlier = order[1:][same], order[:-1][same]  # entry `later`'s previous stamp is `earlier`
     prev_tok[later], prev_pos[later], prev_fp[later] = token[earlier], position[earlier], fp[earlier]
-    e = np.flatnonzero((slot != PADDING_SLOT) & (prev_fp == fp) & (prev_tok != token))
+    known = (prev_tok >= 0) & (token >= 0)  # a negative token is one the engine did not know: it matches any
+    e = np.flatnonzero((slot != PADDING_SLOT) & (prev_fp == fp) & (prev_tok != token) & known)
     return e, prev_tok[e], prev_pos[e]
