@@ -210,12 +210,14 @@ __device__ __forceinline__ unsigned kvc_write_linked(const KvcWriteParams& p, lo
     const long long i = base + threadIdx.x;
     const long long slot = i < end ? p.out_cache_loc[i] : KVC_SKIP_SLOT;
     const bool in = slot >= 0 && slot < p.num_slots;
+    // the record this thread replaces, loaded before the fingerprint (a call) so the two overlap
+    const bool lost_check = i < end && kvc_checks_lost_write(p, slot);
+    const KvcPrevRecord prev = lost_check ? kvc_prev_record(p, slot) : KvcPrevRecord{0, 0, 0};
     const uint64_t rkv = kvc_fingerprint_lanes(p, slot, in);  // every lane of the warp
     if (i >= end) continue;
     const uint64_t chain = in ? kvc_source_chain(p, slot) : 0;
     const long long prev_position = i > start ? p.positions[i - 1] : seed_position;
-    if (kvc_checks_lost_write(p, slot))
-      kvc_lost_write(p, r, slot, kvc_prev_record(p, slot), p.input_ids[i], p.positions[i], chain, rkv);
+    if (lost_check) kvc_lost_write(p, r, slot, prev, p.input_ids[i], p.positions[i], chain, rkv);
     stamped += kvc_write_entry(p, r, i, slot, p.input_ids[i], p.positions[i], chain, prev_position, rkv,
                                has_expected, pos_assert, true);
   }
