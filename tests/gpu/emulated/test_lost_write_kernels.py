@@ -194,3 +194,22 @@ def test_the_folded_write_checks_lost_writes_like_the_write_kernel(lens):
         np.testing.assert_array_equal(a[0], b[0])
         assert a[1:] == b[1:]
     assert any(row[7] & LOST for half in apart for row in half[1])
+
+
+def test_unknown_tokens_match_any_on_both_backends():
+    """Tokens stamped as unknown (-1, the vLLM connector's decode tokens under async scheduling) in
+    either step: no row for those entries; the kernel as the reference."""
+    w = workloads.make(442, num_slots=4096, page_size=16, mode=abi.HashMode.PARTIAL, num_sources=2, max_len=300)
+    rng = np.random.default_rng(6)
+    ids2, pos2, pools2, lost = _second_step(w, rng, 0.3)
+    w.input_ids[rng.random(len(w.input_ids)) < 0.2] = -1
+    ids2[rng.random(len(ids2)) < 0.2] = -1
+    ref = _two_steps(w, host, ids2, pos2, pools2, False)
+    got = _two_steps(w, to_dev, ids2, pos2, pools2, True)
+    np.testing.assert_array_equal(ref[0], got[0])
+    assert ref[1:] == got[1:]
+    by_slot = {}
+    for i, s in enumerate(w.out_cache_loc.tolist()):
+        by_slot.setdefault(s, []).append(i)
+    known = {s for s in lost if all(w.input_ids[i] >= 0 and ids2[i] >= 0 for i in by_slot[s])}
+    assert {row[1] for row in ref[1] if row[7] & LOST} == known and known and known != lost
