@@ -211,3 +211,44 @@ def test_the_manager_logs_exports_and_fails_the_request_of_a_lost_write(caplog):
     assert [(f["batch_index"], f["reasons"], f["slots"]) for f in failed] == [(1, "lost_write", [5])], failed
     assert any("kv_canary failed request: step=1 batch_index=1 fail_reason=lost_write slots=[5]" in r.getMessage()
                for r in caplog.records)
+
+
+def test_a_buffer_stamped_by_a_format_v1_writer_is_checked_and_still_verifies():
+    """Records stamped by another format v1 implementation (SGLang's canary; here one written from
+    SPEC §3/§7 alone, in plain Python) carry what the check reads: kvcanary's next write over them
+    reports a lost store and stays silent for a real one, and the buffer verifies as before."""
+    import struct
+
+    from kvcanary.reference.canary import verify
+    M64 = (1 << 64) - 1
+
+    def sm(x):
+        x &= M64
+        x ^= x >> 30
+        x = (x * 0xBF58476D1CE4E5B9) & M64
+        x ^= x >> 27
+        x = (x * 0x94D049BB133111EB) & M64
+        return x ^ (x >> 31)
+
+    def fold(strip):
+        h = 0
+        for (w,) in struct.iter_unpack("<Q", strip):
+            h = sm(h ^ w)
+        return sm(0 ^ h)
+
+    kv, ctx = pool(), Ctx(SLOTS)
+    running = sm(0xC0FFEE1234567890)
+    for pos, (slot, token) in enumerate([(3, 50), (4, 51)]):  # a v1 writer stamps a request of two tokens
+        rec = struct.pack("<qqQQ", token, pos, running, fold(kv[slot, :16].tobytes()))
+        ctx.canary[slot, :32] = np.frombuffer(rec, np.uint8)
+        running = sm(sm(sm(running) ^ token) ^ pos)
+    kv[4, :16] ^= 0xFF  # slot 4's new token's KV is stored; slot 3's store is lost
+    ctx.write([(-1, [3, 4], [60, 61], [0, 1])], sources=[src(kv)])
+    assert [r[1] for r in lost_rows(ctx)] == [3] and rows(ctx)[0][4] == 50
+    ring = np.zeros((8, 8), np.int64)
+    verify(canary=ctx.canary, slot=np.array([3, 4]), expected_token=np.array([60, 61]),
+           expected_position=np.array([0, 1]), prev_slot=np.array([-1, 3]), num_valid=np.array([2], np.int32),
+           enable=np.array([1], np.int32), ring=ring, write_index=(wi := np.zeros(1, np.int32)),
+           kernel_run_counter=np.zeros(1, np.int64), slot_run_counter=np.zeros(1, np.int64),
+           sources=[src(kv)], tag=TAIL, check_expected_token=True)
+    assert int(wi[0]) == 0  # the stamped records verify (the lost store is invisible from here on)
