@@ -118,9 +118,11 @@ class K5b(_Reload):
         if page < 0 or block[-1] >= n or np.isin(block, ln.out).any():
             return  # no neighbour, or one this step writes (its new stamp would hash the zeros)
         live = block[(block > 0) & (eng.cache.ref[block] > 0)]
+        if not len(live):
+            return  # nothing live next to it this step: wait for another
         before = {k: eng.full.read(k, live) for k in eng.full.specs}
         for k, (nbytes, _, _) in eng.full.specs.items():
             eng.full.write(k, block, np.zeros((len(block), nbytes), np.uint8))
-        wiped = _stale(eng.full, list(eng.full.specs), live, before) if len(live) else live.astype(bool)
+        wiped = _stale(eng.full, list(eng.full.specs), live, before)
         if wiped.any():
             self.fire(eng, {"FULL": live[wiped]}, variant="neighbouring live block zeroed", slots=int(wiped.sum()))
