@@ -113,6 +113,36 @@ __device__ __forceinline__ bool kvc_write_entry(const KvcWriteParams& p, long lo
   return true;
 }
 
+// The lost-write check (docs/format.md §7.1): in a write that fingerprints, an entry on a real slot
+// is compared with the record the slot holds just before the entry is stamped. Unchanged bytes
+// (the record's REAL_KV_HASH is the entry's fingerprint) under another token mean that the store
+// of this token's KV never reached the slot. Only the thread that stores a slot reads its record
+// (before its store), so within a request nothing reads a record another thread writes. A negative
+// token is one the engine did not know (the vLLM connector's async decode token, -1): it matches any.
+struct KvcPrevRecord {
+  long long token, position;
+  uint64_t rkv;
+};
+
+__device__ __forceinline__ bool kvc_checks_lost_write(const KvcWriteParams& p, long long slot) {
+  return p.num_sources > 0 && slot > KVC_PADDING_SLOT && slot < p.num_slots;
+}
+
+__device__ __forceinline__ KvcPrevRecord kvc_prev_record(const KvcWriteParams& p, long long slot) {
+  const long long* f = kvc_slot(p, slot);
+  return KvcPrevRecord{f[KVC_FIELD_TOKEN], f[KVC_FIELD_POSITION], (uint64_t)f[KVC_FIELD_REAL_KV_HASH]};
+}
+
+// Entry (slot, token, position, chain, rkv) of request r against `prev`; returns the entry's own
+// record, the previous one of the slot's next stamp.
+__device__ __forceinline__ KvcPrevRecord kvc_lost_write(const KvcWriteParams& p, long long r, long long slot,
+                                                        const KvcPrevRecord& prev, long long token,
+                                                        long long position, uint64_t chain, uint64_t rkv) {
+  if (prev.rkv == rkv && prev.token != token && prev.token >= 0 && token >= 0)  // negative: token unknown
+    kvc_record(p, r, slot, position, token, prev.token, chain, (uint64_t)prev.position, KVC_LOST_WRITE);
+  return KvcPrevRecord{token, position, rkv};
+}
+
 // Check and store the n entries of a chunk whose chain values are in `ch` (worker threads).
 // Returns the entries this thread stamped.
 __device__ __forceinline__ unsigned kvc_write_store(const KvcWriteParams& p, long long r, const KvcWriteStage& st,
@@ -124,6 +154,15 @@ __device__ __forceinline__ unsigned kvc_write_store(const KvcWriteParams& p, lon
     bool repeated = false;  // a slot repeated in one chunk: only its last occurrence stores
 #pragma unroll 8
     for (int k = j + 1; k < n; ++k) repeated |= st.slot[k] == slot;
+    if (!repeated && kvc_checks_lost_write(p, slot)) {
+      // The stores of earlier chunks have landed (a barrier per chunk); this chunk's earlier
+      // occurrences of the slot store nothing, so they are checked here, in order.
+      KvcPrevRecord prev = kvc_prev_record(p, slot);
+      for (int k = 0; k < j; ++k)
+        if (st.slot[k] == slot)
+          prev = kvc_lost_write(p, r, slot, prev, st.token[k], st.position[k], ch.prev_hash[k], st.rkv[k]);
+      kvc_lost_write(p, r, slot, prev, st.token[j], st.position[j], ch.prev_hash[j], st.rkv[j]);
+    }
     stamped += kvc_write_entry(p, r, base + j, slot, st.token[j], st.position[j], ch.prev_hash[j], ch.position[j],
                                st.rkv[j], has_expected, pos_assert, !repeated);
   }
@@ -152,8 +191,10 @@ __device__ __forceinline__ bool kvc_chain_links(const KvcWriteParams& p, long lo
     const uint64_t want = i > start ? kvc_mix3(kvc_source_chain(p, prev), (uint64_t)p.input_ids[i - 1],
                                                (uint64_t)p.positions[i - 1])
                                     : seed_hash;
+    // Positions strictly increase: entries then hold distinct positions, so distinct slots (a
+    // slot's source record holds one position), and each slot is stamped by one thread.
     ok = h[KVC_FIELD_TOKEN] == p.input_ids[i] && h[KVC_FIELD_POSITION] == p.positions[i] &&
-         (uint64_t)h[KVC_FIELD_PREV_HASH] == want;
+         (uint64_t)h[KVC_FIELD_PREV_HASH] == want && (i == start || p.positions[i - 1] < p.positions[i]);
   }
   return __syncthreads_and(ok) != 0;
 }
@@ -169,10 +210,14 @@ __device__ __forceinline__ unsigned kvc_write_linked(const KvcWriteParams& p, lo
     const long long i = base + threadIdx.x;
     const long long slot = i < end ? p.out_cache_loc[i] : KVC_SKIP_SLOT;
     const bool in = slot >= 0 && slot < p.num_slots;
+    // the record this thread replaces, loaded before the fingerprint (a call) so the two overlap
+    const bool lost_check = i < end && kvc_checks_lost_write(p, slot);
+    const KvcPrevRecord prev = lost_check ? kvc_prev_record(p, slot) : KvcPrevRecord{0, 0, 0};
     const uint64_t rkv = kvc_fingerprint_lanes(p, slot, in);  // every lane of the warp
     if (i >= end) continue;
     const uint64_t chain = in ? kvc_source_chain(p, slot) : 0;
     const long long prev_position = i > start ? p.positions[i - 1] : seed_position;
+    if (lost_check) kvc_lost_write(p, r, slot, prev, p.input_ids[i], p.positions[i], chain, rkv);
     stamped += kvc_write_entry(p, r, i, slot, p.input_ids[i], p.positions[i], chain, prev_position, rkv,
                                has_expected, pos_assert, true);
   }
@@ -337,7 +382,21 @@ __device__ __forceinline__ unsigned kvc_warp_commit(const KvcWriteParams& p, lon
   if (seed > KVC_SEED_INVALID && seed <= KVC_SEED_INVALID + KVC_BATCH_FIELD_MAX) return 0;  // rejected
   if ((seed >= p.num_slots || seed < KVC_CHAIN_HEAD) && lane == 0)  // a seed slot outside the buffer
     kvc_record(p, r, seed, KVC_NO_POSITION, 0, KVC_NO_EXPECTED_TOKEN, 0, 0, KVC_SLOT_OUT_OF_RANGE);
-  if (lane >= end - start) return 0;
+  // The lost-write check: the lane that stores a slot checks its earlier occurrences in the
+  // request (they store nothing), in order, then its own entry (the shuffles in every lane).
+  const int n = (int)(end - start);
+  if (p.num_sources > 0) {  // the same in every lane: a write without fingerprints checks nothing
+    const bool checks = lane < n && !e.repeated && kvc_checks_lost_write(p, e.slot);
+    KvcPrevRecord prev{0, 0, 0};
+    if (checks) prev = kvc_prev_record(p, e.slot);
+    for (int j = 0; j < n; ++j) {
+      const long long sj = __shfl_sync(KVC_FULL_MASK, e.slot, j), tj = __shfl_sync(KVC_FULL_MASK, e.token, j);
+      const long long pj = __shfl_sync(KVC_FULL_MASK, e.position, j);
+      const uint64_t cj = __shfl_sync(KVC_FULL_MASK, e.chain, j), fj = __shfl_sync(KVC_FULL_MASK, e.rkv, j);
+      if (checks && j <= lane && sj == e.slot) prev = kvc_lost_write(p, r, e.slot, prev, tj, pj, cj, fj);
+    }
+  }
+  if (lane >= n) return 0;
   return kvc_write_entry(p, r, start + lane, e.slot, e.token, e.position, e.chain, e.prev_position, e.rkv,
                          has_expected, e.pos_assert, !e.repeated);
 }

@@ -105,6 +105,10 @@ class FailReason(enum.IntFlag):
     - PADDING_SLOT_READ: a real request's verify entry, or its required predecessor, is slot 0.
     - SELF_TEST: the row of a verify launch's self-test (docs/format.md §11): the canary-only
       known-bad record the launch checked every ``self_test_every``-th run. Not a violation.
+    - LOST_WRITE: a write that fingerprints real KV (hash mode PARTIAL or ALL, at least one
+      source) found the slot's bytes unchanged since the record it replaces although that record
+      holds another token: the engine's store of this token's KV never reached the slot (K14,
+      docs/format.md §7.1). Reported at write time, in the step that missed the store.
     """
 
     VERIFY_CHAIN_HASH_MISMATCH = 1
@@ -117,6 +121,7 @@ class FailReason(enum.IntFlag):
     BATCH_INDEX_OUT_OF_RANGE = 128
     PADDING_SLOT_READ = 256
     SELF_TEST = 512
+    LOST_WRITE = 1024
 
 
 class BatchField(enum.IntEnum):

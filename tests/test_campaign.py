@@ -29,8 +29,9 @@ def reduced():
 
 def test_coverage_table_follows_faults_md():
     blind = {c for c in CLASSES if not coverage(c, "none")[0]}
-    # FAULTS.md's four; K9 is seen in every mode (the plan builder checks the padding lanes' slots)
-    assert blind == {"K6", "K7", "K10", "K12"}
+    # FAULTS.md's four, and issue 43's two (a lost store and a zeroing change bytes only); K9 is
+    # seen in every mode (the plan builder checks the padding lanes' slots)
+    assert blind == {"K6", "K7", "K10", "K12", "K14", "K5b"}
     assert all(coverage(c, m)[0] for c in CLASSES for m in ("partial", "all"))
 
 
@@ -61,6 +62,44 @@ def test_read_path_faults_are_reported_when_read():
         r = campaign.run_injection(cls, mode, seed=77)
         assert r["outcome"] == "detected", r
         assert r["report_step"] == r["read_step"], r
+
+
+@pytest.mark.parametrize("mode", ["partial", "all"])
+def test_lost_writes_are_caught_in_the_step_that_lost_them(mode):
+    """K14 (issue 43): every variant is reported by the lost-write check of the TAIL write of the
+    step whose store was lost, before the stale bytes are first read."""
+    variants = set()
+    for seed in range(6):
+        r = campaign.run_injection("K14", mode, seed=seed)
+        assert r["outcome"] == "detected", r
+        assert r["report_step"] == r["injected_step"] <= r["read_step"], r
+        assert r["first_report"]["reasons"] == ["lost_write"] and r["first_report"]["tag"].startswith("TAIL"), r
+        variants.add(r["variant"].split(" (")[0])
+    assert len(variants) >= 2, variants
+
+
+def test_lost_writes_are_missed_without_the_check(monkeypatch):
+    """The K14 scenario is real: without the lost-write check the stale bytes are stamped as the
+    truth and every later read passes (the fault is read, nothing is reported)."""
+    import numpy as np
+
+    from kvcanary.reference import canary as reference
+    none = np.zeros(0, np.int64)
+    monkeypatch.setattr(reference, "lost_writes", lambda *a: (none, none, none))
+    r = campaign.run_injection("K14", "all", seed=0)
+    assert r["outcome"] == "missed" and r["read_step"] is not None, r
+
+
+def test_late_zeroing_is_caught_at_the_first_read():
+    seen = set()
+    for seed in range(6):
+        r = campaign.run_injection("K5b", "partial", seed=seed)
+        assert r["outcome"] in ("detected", "not_exercised"), r
+        if r["outcome"] == "detected":
+            assert r["read_latency"] == 0, r  # reported in the step that first read the zeros
+            assert "verify_real_kv_hash" in r["first_report"]["reasons"], r
+            seen.add(r["variant"])
+    assert seen == {"restored block zeroed after it landed", "neighbouring live block zeroed"}, seen
 
 
 def test_raise_mode_detects_like_log_mode():

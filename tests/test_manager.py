@@ -141,7 +141,10 @@ def _one_request_canary(**kw):
     rtt = np.zeros((3, 64), np.int32)
     rtt[1, :40] = np.arange(1, 41)
 
-    def batch(past, new):
+    def batch(past, new):  # the step's forward: its tokens' K and V land in their slots (a lost store is K14)
+        for pos in range(past, past + new):
+            k[pos + 1] = np.random.default_rng([pos, 0]).integers(1, 256, 16, dtype=np.uint8)
+            v[pos + 1] = np.random.default_rng([pos, 1]).integers(1, 256, 16, dtype=np.uint8)
         return kc.Batch(req_pool_indices=np.array([1]), prefix_lens=np.array([past]), extend_lens=np.array([new]),
                         req_to_token=rtt, input_ids=np.arange(past, past + new),
                         positions=np.arange(past, past + new), out_cache_loc=np.arange(past + 1, past + new + 1))

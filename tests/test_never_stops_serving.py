@@ -49,14 +49,22 @@ class Requests:
                         expected_input_ids=expected, expected_positions=np.full(n, j, np.int64))
 
 
+POOLS: dict = {}  # id(canary) -> its K and V pools, which step()'s forward writes
+
+
 def make_canary(num_slots=256, **kw) -> KvCanary:
     pools = [np.zeros((num_slots, 32), np.uint8) for _ in range(2)]
     group = PoolGroup(num_slots, [kc.source_from_slots(pools[0])], [kc.source_from_slots(pools[1])])
-    return KvCanary(group, **{"max_batch": 8, "verify_capacity": 1 << 12, **kw})
+    canary = KvCanary(group, **{"max_batch": 8, "verify_capacity": 1 << 12, **kw})
+    POOLS[id(canary)] = pools
+    return canary
 
 
 def step(canary, batch) -> None:
     canary.before_forward(batch)
+    for h, pool in enumerate(POOLS.get(id(canary), ())):  # the forward: the new tokens' KV lands (K14 otherwise)
+        for slot, token in zip(np.asarray(batch.out_cache_loc).tolist(), np.asarray(batch.input_ids).tolist()):
+            pool[slot] = np.random.default_rng([token, h]).integers(1, 256, pool.shape[1], dtype=np.uint8)
     canary.after_forward(batch)
 
 

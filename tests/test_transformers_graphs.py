@@ -180,3 +180,12 @@ def test_mla_scenarios_with_the_canary_in_the_engines_graphs(graphs_on_cpu, scen
     with the step staged on the (emulated) device and the canary inside the engine's graphs."""
     scenario("cpu")
     assert REPLAYS[1] > 10, "expected canary steps replayed from the engine's graphs"
+
+
+def test_a_lost_store_in_the_engines_graphs_fails_its_request(graphs_on_cpu):
+    """Issue 43 in the graph path: layer 0's store of one decode token redirected to the write trash
+    by a device op of the layer's store (tests/test_transformers_lost_write.py) — the emulated TAIL
+    write of that step reports lost_write at its slot and that request ends FAILED."""
+    from tests.test_transformers_lost_write import lost_store
+    lost_store("cpu")
+    assert REPLAYS[1] > 10, "expected canary steps replayed from the engine's graphs"

@@ -64,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--injections", type=_integer("--injections", "5"), default=5, metavar="N",
                    help="seeded injections per class x mode, >= 1 (default 5)")
     p.add_argument("--classes", default=EVERY,
-                   help="comma-separated fault classes, e.g. K1,K5,K12 (default every: K1..K13)")
+                   help="comma-separated fault classes, e.g. K1,K5,K12 (default every: K1..K14, K5b)")
     p.add_argument("--modes", default=EVERY,
                    help="comma-separated hash modes: none, partial, all (all = hash mode ALL alone); "
                         "default every = none,partial,all")

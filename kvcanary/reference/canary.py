@@ -17,14 +17,14 @@ from typing import Sequence
 
 import numpy as np
 
-from kvcanary.abi import (CHAIN_HEAD, FIELD_POSITION, FIELD_PREV_HASH, FIELD_REAL_KV_HASH, FIELD_TOKEN,
+from kvcanary.abi import (CHAIN_HEAD, FIELD_POSITION, PADDING_SLOT, FIELD_PREV_HASH, FIELD_REAL_KV_HASH, FIELD_TOKEN,
                           FIELDS_PER_SLOT, NO_EXPECTED_TOKEN, PREV_ON_PADDING, RING_COLS, SEED_INVALID,
                           SELF_TEST_POSITION, SELF_TEST_TOKEN, BatchField, FailReason)
 from kvcanary.reference.hashing import (ANCHOR_HASH, RefSource, canary_words, fingerprint, mix3, mix3_np,
                                         slot_hash_words, to_i64)
 from kvcanary.reference.ring import Verdicts, owners, ring_append
 
-__all__ = ["RefSource", "Verdicts", "check_entries", "owners", "ring_append", "self_test_rows", "verify", "write"]
+__all__ = ["RefSource", "Verdicts", "check_entries", "owners", "ring_append", "lost_writes", "self_test_rows", "verify", "write"]
 
 _ANCHOR_I64 = to_i64(ANCHOR_HASH)
 _CHAIN = int(FailReason.VERIFY_CHAIN_HASH_MISMATCH)
@@ -35,6 +35,7 @@ _W_TOKEN = int(FailReason.WRITE_TOKEN_MISMATCH)
 _W_POSITION = int(FailReason.WRITE_POSITION_MISMATCH)
 _OOB = int(FailReason.SLOT_OUT_OF_RANGE)
 _PADDING = int(FailReason.PADDING_SLOT_READ)
+_LOST = int(FailReason.LOST_WRITE)
 
 
 def _rows(tag, *cols) -> np.ndarray:
@@ -220,12 +221,18 @@ def write(*, canary, offsets, seed, num_valid_reqs, input_ids, positions, out_ca
     ones = np.ones(len(e), dtype=np.int64)
     rows.append(_rows(tag, s[e], pos[e], tok[e], tok[e], running[e], prev_pos[m] + 1, ones * _W_POSITION))
     keys.append((req[e], e, ones * 2))
+    fp = fingerprint(s[st], sources).view(np.int64)
+    if sources:
+        e, prev_tok, prev_pos = lost_writes(words, req[st], s[st], tok[st], pos[st], fp)
+        e = st[e]
+        ones = np.ones(len(e), dtype=np.int64)
+        rows.append(_rows(tag, s[e], pos[e], tok[e], prev_tok, running[e], prev_pos, ones * _LOST))
+        keys.append((req[e], e, ones * 3))
     order = np.lexsort(tuple(np.concatenate(c) for c in zip(*keys))[::-1])
     ring_append(ring, write_index, np.concatenate(rows)[order], claim, consumed,
                 np.concatenate([k[0] for k in keys])[order], verdicts)
 
     # Stores, in flat order: the last write of a repeated slot wins.
-    fp = fingerprint(s[st], sources).view(np.int64)
     uniq, last_rev = np.unique(s[st][::-1], return_index=True)
     last = len(st) - 1 - last_rev
     e = st[last]
@@ -234,3 +241,26 @@ def write(*, canary, offsets, seed, num_valid_reqs, input_ids, positions, out_ca
     rec[:, FIELD_PREV_HASH], rec[:, FIELD_REAL_KV_HASH] = running[e], fp[last]
     words[uniq, :FIELDS_PER_SLOT] = rec
     slot_run_counter[0] += len(st)
+
+
+def lost_writes(words, req, slot, token, position, fp):
+    """The lost-write check of a fingerprinting write (docs/format.md §7.1) over its stamped entries
+    (in flat order: request ``req``, ``slot`` in [0, num_slots), ``token``, ``position``, fingerprint
+    ``fp`` of the slot's bytes now). Each entry on a slot other than the padding slot is compared
+    with the record the slot holds just before it is stamped: the record an earlier entry of the
+    same request stamped there, else the buffer's record before the launch (``words``, int64
+    ``[num_slots, >= 4]``). A lost write: that record's REAL_KV_HASH equals ``fp`` while its TOKEN
+    differs from ``token`` (the bytes did not change, the token did), both tokens known (>= 0: the
+    vLLM connector stamps -1 for a token the scheduler did not know). Returns the indices of the
+    entries with a lost write and, per entry, the previous record's TOKEN and POSITION."""
+    n = len(slot)
+    prev_tok = words[slot, FIELD_TOKEN].copy() if n else np.zeros(0, np.int64)
+    prev_pos = words[slot, FIELD_POSITION].copy() if n else np.zeros(0, np.int64)
+    prev_fp = words[slot, FIELD_REAL_KV_HASH].copy() if n else np.zeros(0, np.int64)
+    order = np.lexsort((np.arange(n), slot, req))  # by request, slot, then entry
+    same = (req[order][1:] == req[order][:-1]) & (slot[order][1:] == slot[order][:-1])
+    later, earlier = order[1:][same], order[:-1][same]  # entry `later`'s previous stamp is `earlier`
+    prev_tok[later], prev_pos[later], prev_fp[later] = token[earlier], position[earlier], fp[earlier]
+    known = (prev_tok >= 0) & (token >= 0)  # a negative token is one the engine did not know: it matches any
+    e = np.flatnonzero((slot != PADDING_SLOT) & (prev_fp == fp) & (prev_tok != token) & known)
+    return e, prev_tok[e], prev_pos[e]

@@ -30,9 +30,10 @@ from .engine import Engine
 from .faults import CLASSES, K1, K2, K3, K4, MODES, PARTIAL_NOTE, TITLES, coverage
 from .faults_kv import K5, K6, K7, K10, K12
 from .faults_step import K8, K9, K11, K13
+from .faults_write import K14, K5b
 from .workers import gather, pool, resolve_jobs
 
-INJECTORS = {f.cls: f for f in (K1, K2, K3, K4, K5, K6, K7, K8, K9, K10, K11, K12, K13)}
+INJECTORS = {f.cls: f for f in (K1, K2, K3, K4, K5, K6, K7, K8, K9, K10, K11, K12, K13, K14, K5b)}
 
 
 @contextlib.contextmanager

@@ -9,7 +9,8 @@ step or a sweep really read wrong content from one of them (:func:`bad_reads`); 
 that was never read is "not exercised", never a detection or a miss. ``involved`` lists the
 slots a violation row may name to count as catching this fault (the corrupted slots and their
 chain successors). This module holds K1-K4; :mod:`kvcanary.sim.faults_step` the faults of a
-running step (K8, K9, K11, K13); :mod:`kvcanary.sim.faults_kv` the byte-level ones (K5-K7, K10, K12).
+running step (K8, K9, K11, K13); :mod:`kvcanary.sim.faults_kv` the byte-level ones (K5-K7, K10, K12);
+:mod:`kvcanary.sim.faults_write` lost writes (K14) and late zeroing (K5b).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ TITLES = {
     "K5": "offload copy", "K6": "layout mismatch", "K7": "transfer race", "K8": "speculative decoding",
     "K9": "padding write", "K10": "quantisation scales", "K11": "position / chunk offset",
     "K12": "bit flip / stray write", "K13": "input token",
+    # issue 43's classes, after K13 so the earlier classes keep their campaign seeds (seed_for)
+    "K14": "lost write", "K5b": "late zeroing",
 }
 CLASSES = tuple(TITLES)
 MODES = ("none", "partial", "all")
@@ -33,6 +36,8 @@ NOT_COVERED = {
     ("K7", "none"): _IDENTITY_BLIND + "; a torn copy carries the right records over stale bytes",
     ("K10", "none"): _IDENTITY_BLIND + "; scales change while every record stays right",
     ("K12", "none"): _IDENTITY_BLIND + "; a bit flip changes bytes only",
+    ("K14", "none"): _IDENTITY_BLIND + "; a lost store leaves every record right over stale bytes",
+    ("K5b", "none"): _IDENTITY_BLIND + "; a zeroing changes bytes only",
 }
 PARTIAL_NOTE = ("PARTIAL hashes the first 16 bytes of each source strip: byte faults are injected "
                 "inside that window (K12 flips and bursts start in bytes [0, 16), K7 tears whole "

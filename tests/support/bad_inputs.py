@@ -53,7 +53,10 @@ N = 64
 
 
 def pool(slots=N, width=64, dtype=np.uint8):
-    return np.zeros((slots, width), dtype)
+    """A pool holding KV (nonzero bytes): the rows stamp tokens without a forward, and stamping a
+    token over never-written zero KV is a lost write (K14, docs/format.md §7.1)."""
+    raw = np.random.default_rng([slots, width]).integers(1, 256, (slots, width * np.dtype(dtype).itemsize), np.uint8)
+    return raw.view(dtype)
 
 
 def pages_pool():

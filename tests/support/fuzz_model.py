@@ -249,8 +249,10 @@ def write_and_check(w: World, ctx, plan, prefix: str, loc: str, what: str) -> No
                     kernel_run_counter=r["kernel_runs"], slot_run_counter=r["slot_runs"], sources=w.sources,
                     tag=w.tag, **s)
     flush(w, s)
-    if seed_hit:  # a seed slot stamped in the same launch: rows and records depend on the order
-        w.assert_sink(f"{what} (requests write each other's seed slots)", rows_defined=False)
+    # A seed slot stamped in the same launch: rows and records depend on the order. So do the
+    # lost-write rows (docs/format.md §7.1) of a real slot two requests stamp in a fingerprinting write.
+    if seed_hit or (w.sources and shared - {abi.PADDING_SLOT}):
+        w.assert_sink(f"{what} (requests write each other's seed or stamped slots)", rows_defined=False)
         w.checkpoint("canary", "write_index", "claim")
         return
     w.assert_sink(what)

@@ -61,11 +61,15 @@ class Session:
         return batch
 
     def forward(self, arrays):
-        """The model's forward: the new tokens' K and V bytes land in the pools."""
+        """The model's forward: the new tokens' K and V bytes land in the pools, at their full slot
+        and, with an SWA group, at their SWA slot too (the SWA group fingerprints the same arrays
+        through its map; a store that never lands there is a lost write, K14)."""
+        swa = "SWA" in self.canary.groups
         for t, p_, s in zip(arrays["ids"], arrays["pos"], arrays["loc"]):
             for layer in range(2):
-                self.k[layer][s] = self._kv(t, p_, layer)
-                self.v[layer][s] = self._kv(t, p_, layer + 7)
+                for slot in ((s, self.swa_map[s]) if swa else (s,)):
+                    self.k[layer][slot] = self._kv(t, p_, layer)
+                    self.v[layer][slot] = self._kv(t, p_, layer + 7)
         self.sync_pools()
 
     def plan_step(self, work, *, corrupt=None) -> dict:
