@@ -106,7 +106,8 @@ class EngineEndsRequest:
             got = [f.state.request_id for f in requests]
             assert got == ids, f"the engine updated step {step} with requests {got}, computed with {ids}"
             if step == self.step and self.rid in ids:
-                state = processor.scheduler.active_requests[self.rid]
+                state = processor.scheduler.active_requests.get(self.rid)
+                assert state is not None, f"{self.rid} is in step {step}'s batch but no longer active"
                 self.ended = {"step": step, "batch": ids, "generated": list(state.generated_tokens)}
                 processor._handle_request_error(self.error, state)
                 processor.scheduler.finish_request(self.rid)
