@@ -470,6 +470,33 @@ def failed_request(device):
         assert solo == clean[r]
 
 
+def test_the_engine_ends_a_request_at_the_step_it_is_given():
+    """Catches a fail_request baseline that ends its request elsewhere than asked
+    (tests/support/engine_end.py, no canary anywhere): the engine ends req_0 in the update of step
+    n, FAILED with the error and the tokens of a clean run before that step (one more when ended a
+    step later), dropped from that update only (sync batching) and never scheduled again; every
+    other request has the clean run's tokens (fp32 on the CPU)."""
+    from transformers.generation.continuous_batching.requests import RequestStatus
+    model = make_model("cpu")
+    prompts = make_prompts(12, seed=2)
+    gen = transformers.GenerationConfig(max_new_tokens=24, do_sample=False, eos_token_id=-1)
+    cb = transformers.ContinuousBatchingConfig(page_size=PAGE, num_blocks=512, max_batch_tokens=64,
+                                               max_requests_per_batch=16, **CONFIG)
+    clean = generate(model, prompts, max_new_tokens=24)
+    kept = {}
+    for step in (12, 13):
+        out, ends, schedule = engine_ended_baseline(model, prompts, "req_0", step, gen, cb)
+        failed = out["req_0"]
+        assert failed.status == RequestStatus.FAILED and f"at step {step}" in failed.error, failed
+        assert ends.ended["step"] == step and ends.dropped == [step] and ends.steps == len(schedule.steps)
+        assert "req_0" in ends.ended["batch"]
+        assert all("req_0" not in [r[0] for r in s] for s in schedule.steps[step + 1:])
+        assert failed.generated_tokens == ends.ended["generated"] == clean[0][:len(failed.generated_tokens)]
+        assert _in_order(out, "req_0") == clean[1:]
+        kept[step] = len(failed.generated_tokens)
+    assert 0 < kept[12] and kept[13] == kept[12] + 1, kept
+
+
 SCENARIOS = [clean_generation, small_pool_same_tokens, corrupted_kv_byte, corrupted_read_index, wrong_input_token,
              overwritten_block, failed_request]
 
