@@ -124,9 +124,11 @@ class Schedule:
     def __enter__(self):
         from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
         self.cls, self.original = ContinuousBatchingIOs, ContinuousBatchingIOs.prepare_batch_tensors
-        original, steps = self.original, self.steps
+        original, steps, self.on = self.original, self.steps, True
 
         def recording(io, requests_in_batch, *args, **kwargs):
+            if not self.on:  # a persistent manager's processor, wrapped over this while on, runs on
+                return original(io, requests_in_batch, *args, **kwargs)
             noted = [(f.state.request_id, f.state.position_offset, f.query_length) for f in requests_in_batch]
             out = original(io, requests_in_batch, *args, **kwargs)
             blocks = io.cache.cache_allocators["full_attention"].block_table
@@ -137,6 +139,7 @@ class Schedule:
 
     def __exit__(self, *exc):
         self.cls.prepare_batch_tensors = self.original
+        self.on = False
 
 
 def report(name: str, tc: TransformersCanary, extra: dict | None = None) -> dict:
@@ -330,21 +333,63 @@ def overwritten_block(device):
 
 def _fail_request_run(model, prompts, make_before, gen, cb, again=None):
     """One fail_request generation through a persistent manager, then the prompts ``again()`` gives
-    through the same engine (same cache): (TransformersCanary, outputs, outputs of ``again``).
-    ``make_before(tc)`` gives the canary's before_step callback."""
+    through the same engine (same cache): (TransformersCanary, outputs, outputs of ``again``, the
+    :class:`Schedule` of the first generation). ``make_before(tc)`` gives the canary's before_step
+    callback."""
     tc = TransformersCanary(model, mode="fail_request")
     tc.before_step = make_before(tc)
     second = None
     try:
         with tc:
-            out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb,
-                                       persistent_manager=True)
+            with Schedule(model) as schedule:
+                out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb,
+                                           persistent_manager=True)
             if again is not None:
                 second = model.generate_batch(again(), generation_config=gen, continuous_batching_config=cb,
                                               persistent_manager=True)
     finally:
         model.destroy_cached_continuous_batching_manager()
-    return tc, out, second
+    return tc, out, second, schedule
+
+
+def engine_ended_baseline(model, prompts, rid: str, step: int, gen, cb):
+    """The baseline of a fail_request run: the same prompts with no canary, where transformers' own
+    engine ends ``rid`` at step ``step`` through its error path (tests/support/engine_end.py):
+    (outputs, :class:`~tests.support.engine_end.EngineEndsRequest`, :class:`Schedule`)."""
+    from tests.support.engine_end import engine_ended_generation
+    with Schedule(model) as schedule:
+        out, ends = engine_ended_generation(model, prompts, rid, step, generation_config=gen,
+                                            continuous_batching_config=cb)
+    return out, ends, schedule
+
+
+def assert_as_engine_ended(out, schedule, rid: str, step: int, baseline, ends, baseline_schedule) -> None:
+    """A fail_request run (``out``, its :class:`Schedule`), whose canary ended ``rid`` in the update of
+    step ``step``, against :func:`engine_ended_baseline` ending the same request at the same step:
+    the engine ran the same steps (each step's requests, cached lengths and new tokens; block numbers
+    may differ, as the failer hands the failed request's blocks back to the pool where the engine
+    keeps them as cached prefix blocks), so every batch has the same shape, and every request has
+    the baseline's tokens, the failed one included. The same shapes are what makes this exact for
+    bf16 on CUDA as well, whose numerics follow the batch's shape (a run without the failed request,
+    or ending it a step early or late, may change another request's tokens there, canary or not)."""
+    from transformers.generation.continuous_batching.requests import RequestStatus
+    assert ends.ended is not None and ends.ended["step"] == step, f"the engine never ended {rid} at step {step}"
+    assert ends.dropped[0] == step and ends.dropped == list(range(step, step + len(ends.dropped))) \
+        and len(ends.dropped) <= 2, f"{rid} dropped from the updates of steps {ends.dropped}"
+    ran = [[r[:3] for r in s] for s in schedule.steps]
+    ran_baseline = [[r[:3] for r in s] for s in baseline_schedule.steps]
+    differ = next((i for i, (a, b) in enumerate(zip(ran, ran_baseline)) if a != b), None)
+    assert ran == ran_baseline, (f"the engine's steps differ from the engine-ended baseline's ({len(ran)} and "
+                                 f"{len(ran_baseline)} batches prepared; first at batch {differ}: "
+                                 f"{ran[differ] if differ is not None else ''} and "
+                                 f"{ran_baseline[differ] if differ is not None else ''})")
+    assert baseline[rid].status == RequestStatus.FAILED
+    assert out[rid].generated_tokens == baseline[rid].generated_tokens, \
+        "the failed request's tokens differ from those of the request the engine ended at that step"
+    assert sorted(out) == sorted(baseline)
+    changed = {k: (out[k].generated_tokens, baseline[k].generated_tokens) for k in out
+               if k != rid and out[k].generated_tokens != baseline[k].generated_tokens}
+    assert not changed, f"requests whose tokens differ from the engine-ended baseline's: {changed}"
 
 
 def _in_order(outputs: dict, skip=None) -> list:
@@ -354,15 +399,15 @@ def _in_order(outputs: dict, skip=None) -> list:
 def failed_request(device):
     """mode="fail_request" (issue 28): a KV byte of one request's own block is flipped and left so.
     That request ends FAILED with a kv-canary error in the step that verified it, keeping the tokens
-    of the steps before; no other request fails, and their tokens are those of a baseline run in
-    which the same request is ended at the same step with no corruption (on the CPU also those of a
-    plain clean run; bf16 on CUDA may pick other tokens when a batch's composition changes, canary or
-    not). Its blocks are kept out of prefix reuse: the same prompt sent again through the same
+    of the steps before; no other request fails. The baseline is a run with no canary in which the
+    engine itself ends the same request at the same step (its error path, tests/support/engine_end.py):
+    the engine runs the same steps in both, and every request has the baseline's tokens, the failed
+    one included (:func:`assert_as_engine_ended`; on the CPU the others also have those of a plain
+    clean run). Its blocks are kept out of prefix reuse: the same prompt sent again through the same
     engine (persistent manager, same cache) recomputes the corrupted block and runs clean, with the
     tokens of a fresh run of that prompt alone."""
     from transformers.generation.continuous_batching.requests import RequestStatus
 
-    from kvcanary import FailReason, FailedRequest
     model = make_model(device)
     prompts = make_prompts(12, seed=2)
     gen = transformers.GenerationConfig(max_new_tokens=24, do_sample=False, eos_token_id=-1)
@@ -394,32 +439,21 @@ def failed_request(device):
         phase[0] = 1
         return [prompts[int(hit["rid"].split("_")[-1])]]
 
-    def end_the_same_request(tc):  # the baseline: the canary ends that request at that step, nothing corrupted
-        def before(info):
-            if info.step != hit["step"]:
-                return
-            index = [rid for rid, _, _ in info.requests].index(hit["rid"])
-            fake = [FailedRequest(tc.canary.step, index, FailReason.VERIFY_REAL_KV_HASH_MISMATCH, ())]
-            real = tc.canary.failed_requests
-            tc.canary.failed_requests = lambda: [fake.pop()] + real() if fake else real()
-        return before
-
-    tc, out, second = _fail_request_run(model, prompts, corrupt, gen, cb, again=again)
+    tc, out, second, schedule = _fail_request_run(model, prompts, corrupt, gen, cb, again=again)
     r = int(hit["rid"].split("_")[-1])
     report(f"failed request {device}", tc, {k: hit[k] for k in ("step", "rid", "slot")})
-    _, baseline, _ = _fail_request_run(model, prompts, end_the_same_request, gen, cb)
+    baseline, ends, baseline_schedule = engine_ended_baseline(model, prompts, hit["rid"], hit["step"], gen, cb)
     solo = generate(model, [prompts[r]], max_new_tokens=24)[0]
 
     failed = out[hit["rid"]]
     assert failed.status == RequestStatus.FAILED and "kv-canary: request" in failed.error, failed
     assert f"in step {hit['step']}" in failed.error and str(hit["slot"]) in failed.error
     got = failed.generated_tokens
-    assert hit["generated"] <= len(got) <= hit["generated"] + 1 and got == baseline[hit["rid"]].generated_tokens, \
+    assert hit["generated"] <= len(got) <= hit["generated"] + 1, \
         "the failed request keeps the tokens of the steps before the one that verified the corruption"
-    assert baseline[hit["rid"]].status == RequestStatus.FAILED
     others = {k: o for k, o in out.items() if k != hit["rid"]}
     assert all(o.status == RequestStatus.FINISHED and o.error is None for o in others.values())
-    assert _in_order(out, hit["rid"]) == _in_order(baseline, hit["rid"]), "another request's tokens changed"
+    assert_as_engine_ended(out, schedule, hit["rid"], hit["step"], baseline, ends, baseline_schedule)
     records = tc.failed_requests
     assert records[0]["request_id"] == hit["rid"] and records[0]["step"] == hit["step"] and records[0]["ended"]
     assert hit["slot"] in records[0]["slots"] and hit["slot"] // PAGE in records[0]["blocks"]["full_attention"]
@@ -434,6 +468,33 @@ def failed_request(device):
         clean = generate(model, prompts, max_new_tokens=24)
         assert got == clean[r][:len(got)] and _in_order(out, hit["rid"]) == [t for i, t in enumerate(clean) if i != r]
         assert solo == clean[r]
+
+
+def test_the_engine_ends_a_request_at_the_step_it_is_given():
+    """Catches a fail_request baseline that ends its request elsewhere than asked
+    (tests/support/engine_end.py, no canary anywhere): the engine ends req_0 in the update of step
+    n, FAILED with the error and the tokens of a clean run before that step (one more when ended a
+    step later), dropped from that update only (sync batching) and never scheduled again; every
+    other request has the clean run's tokens (fp32 on the CPU)."""
+    from transformers.generation.continuous_batching.requests import RequestStatus
+    model = make_model("cpu")
+    prompts = make_prompts(12, seed=2)
+    gen = transformers.GenerationConfig(max_new_tokens=24, do_sample=False, eos_token_id=-1)
+    cb = transformers.ContinuousBatchingConfig(page_size=PAGE, num_blocks=512, max_batch_tokens=64,
+                                               max_requests_per_batch=16, **CONFIG)
+    clean = generate(model, prompts, max_new_tokens=24)
+    kept = {}
+    for step in (12, 13):
+        out, ends, schedule = engine_ended_baseline(model, prompts, "req_0", step, gen, cb)
+        failed = out["req_0"]
+        assert failed.status == RequestStatus.FAILED and f"at step {step}" in failed.error, failed
+        assert ends.ended["step"] == step and ends.dropped == [step] and ends.steps == len(schedule.steps)
+        assert "req_0" in ends.ended["batch"]
+        assert all("req_0" not in [r[0] for r in s] for s in schedule.steps[step + 1:])
+        assert failed.generated_tokens == ends.ended["generated"] == clean[0][:len(failed.generated_tokens)]
+        assert _in_order(out, "req_0") == clean[1:]
+        kept[step] = len(failed.generated_tokens)
+    assert 0 < kept[12] and kept[13] == kept[12] + 1, kept
 
 
 SCENARIOS = [clean_generation, small_pool_same_tokens, corrupted_kv_byte, corrupted_read_index, wrong_input_token,

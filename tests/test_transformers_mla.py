@@ -147,14 +147,14 @@ def mla_wrong_block_restore(device):
 
 def mla_failed_request(device):
     """mode="fail_request": a flipped latent bit of one request's own block, left so. That request
-    ends FAILED in the step that verified it, counted once; every other request finishes with the
-    tokens of a baseline run in which the canary ends that same request at that same step with
-    nothing corrupted. (The bit is a mantissa bit: an exponent bit makes the latent inf, its
+    ends FAILED in the step that verified it, counted once; the engine runs the same steps as in a
+    baseline run with no canary in which the engine itself ends that same request at that same step
+    (its error path, tests/support/engine_end.py), and every request has the baseline's tokens, the
+    failed one included. (The bit is a mantissa bit: an exponent bit makes the latent inf, its
     expansion NaN, and a NaN key reaches every request of the packed batch through the attention
     mask in the very forward that reads it, before any check can run.)"""
     from transformers.generation.continuous_batching.requests import RequestStatus
 
-    from kvcanary import FailedRequest, FailReason
     model = make_mla_model(device)
     prompts = cpu.make_prompts(12, seed=2)
     gen = transformers.GenerationConfig(max_new_tokens=16, do_sample=False, eos_token_id=-1)
@@ -175,25 +175,14 @@ def mla_failed_request(device):
                     return
         return before
 
-    def end_the_same_request(tc):
-        def before(info):
-            if info.step != hit["step"]:
-                return
-            index = [rid for rid, _, _ in info.requests].index(hit["rid"])
-            fake = [FailedRequest(tc.canary.step, index, FailReason.VERIFY_REAL_KV_HASH_MISMATCH, ())]
-            real = tc.canary.failed_requests
-            tc.canary.failed_requests = lambda: [fake.pop()] + real() if fake else real()
-        return before
-
-    tc, out, _ = cpu._fail_request_run(model, prompts, corrupt, gen, cb)
+    tc, out, _, schedule = cpu._fail_request_run(model, prompts, corrupt, gen, cb)
     cpu.report(f"mla failed request {device}", tc, {k: hit[k] for k in ("step", "rid", "slot")})
-    _, baseline, _ = cpu._fail_request_run(model, prompts, end_the_same_request, gen, cb)
+    baseline, ends, baseline_schedule = cpu.engine_ended_baseline(model, prompts, hit["rid"], hit["step"], gen, cb)
     failed = out[hit["rid"]]
     assert failed.status == RequestStatus.FAILED and f"in step {hit['step']}" in failed.error, failed
-    assert failed.generated_tokens == baseline[hit["rid"]].generated_tokens
     others = {k: o for k, o in out.items() if k != hit["rid"]}
     assert all(o.status == RequestStatus.FINISHED and o.error is None for o in others.values())
-    assert cpu._in_order(out, hit["rid"]) == cpu._in_order(baseline, hit["rid"]), "another request's tokens changed"
+    cpu.assert_as_engine_ended(out, schedule, hit["rid"], hit["step"], baseline, ends, baseline_schedule)
     assert [f["request_id"] for f in tc.failed_requests] == [hit["rid"]] and tc.summary()["failed_requests"] == 1
     assert hit["slot"] in tc.failed_requests[0]["slots"]
 

@@ -1,8 +1,10 @@
 """GPU tier of the transformers client: the scenarios of tests/test_transformers_cpu.py (clean
 generation with the same tokens as without the canary, the same schedule and tokens under a small
 block pool, a flipped KV byte, a corrupted read index, a wrong input token and one request's token
-written into another's block, each reported in the step it is read, and the compiled run) with a
-bf16 Llama on CUDA, where the canary runs the kernels on the engine's compute stream. Each runs in
+written into another's block, each reported in the step it is read, a request failed in mode
+fail_request, every request with the tokens of a run with no canary in which the engine itself
+ends the same request at the same step, through the same steps, and the compiled run) with a bf16
+Llama on CUDA, where the canary runs the kernels on the engine's compute stream. Each runs in
 the engine's plain configuration and in its fast ones (CUDA graphs; CUDA graphs with async
 batching), the step's Batch staged in one launch (the default); the plain configuration also with
 the Batch built by torch ops (stage_on_device=False).

@@ -1,11 +1,12 @@
 """GPU tier of the transformers client on an MLA model (transformers >= 5.25, ``MLACacheAllocator``): the
 scenarios of tests/test_transformers_mla.py (clean generation with the tokens of a run without the
 canary, a flipped KV-latent bit and a wrong block restore each reported in the step that reads
-them, a failed request alone and counted once, the others with the tokens of a run in which the
-canary ends the same request at the same step) with a bf16 DeepSeek-V3-shaped model on CUDA, in the
-engine's plain configuration and its fast ones (CUDA graphs; CUDA graphs with async batching), the
-step staged in one launch (the default); the plain configuration also with the Batch built by torch
-ops. Then the fast configuration's launch count: a replayed step adds the pump's snapshot only.
+them, a failed request alone and counted once, every request with the tokens of a run with no
+canary in which the engine itself ends the same request at the same step, through the same steps)
+with a bf16 DeepSeek-V3-shaped model on CUDA, in the engine's plain configuration and its fast ones
+(CUDA graphs; CUDA graphs with async batching), the step staged in one launch (the default); the
+plain configuration also with the Batch built by torch ops. Then the fast configuration's launch
+count: a replayed step adds the pump's snapshot only.
 """
 
 from __future__ import annotations
