@@ -215,7 +215,7 @@ def test_the_manager_logs_exports_and_fails_the_request_of_a_lost_write(caplog):
 
 def test_a_buffer_stamped_by_a_format_v1_writer_is_checked_and_still_verifies():
     """Records stamped by another format v1 implementation (SGLang's canary; here one written from
-    SPEC §3/§7 alone, in plain Python) carry what the check reads: kvcanary's next write over them
+    docs/format.md §3/§7 alone, in plain Python) carry what the check reads: kvcanary's next write over them
     reports a lost store and stays silent for a real one, and the buffer verifies as before."""
     import struct
 
