@@ -101,7 +101,8 @@ def campaign_line(rows: list[dict], campaign: dict) -> list[str]:
     clean = sum(r["verified_slots"] for r in campaign["clean_runs"])
     false = sum(r["false_positives"] for r in campaign["clean_runs"])
     return [f"On the H200, {campaign['injections']} injections per class and hash mode "
-            f"({len(campaign['classes'])} classes, {len(campaign['modes'])} modes): {caught} caught, "
+            f"({len(campaign['classes'])} classes, {campaign['classes'][0]}–{campaign['classes'][-1]}; {len(campaign['modes'])} "
+            f"modes): {caught} caught, "
             f"{caught - late} of them in the step that first read the corrupted data, {missed} missed; "
             f"{clean / 1e6:.1f} M clean verified slots gave {false} false positives."]
 
