@@ -17,14 +17,15 @@ from typing import Sequence
 
 import numpy as np
 
-from kvcanary.abi import (CHAIN_HEAD, FIELD_POSITION, PADDING_SLOT, FIELD_PREV_HASH, FIELD_REAL_KV_HASH, FIELD_TOKEN,
-                          FIELDS_PER_SLOT, NO_EXPECTED_TOKEN, PREV_ON_PADDING, RING_COLS, SEED_INVALID,
+from kvcanary.abi import (CHAIN_HEAD, FIELD_POSITION, FIELD_PREV_HASH, FIELD_REAL_KV_HASH, FIELD_TOKEN,
+                          FIELDS_PER_SLOT, NO_EXPECTED_TOKEN, PADDING_SLOT, PREV_ON_PADDING, RING_COLS, SEED_INVALID,
                           SELF_TEST_POSITION, SELF_TEST_TOKEN, BatchField, FailReason)
 from kvcanary.reference.hashing import (ANCHOR_HASH, RefSource, canary_words, fingerprint, mix3, mix3_np,
                                         slot_hash_words, to_i64)
 from kvcanary.reference.ring import Verdicts, owners, ring_append
 
-__all__ = ["RefSource", "Verdicts", "check_entries", "owners", "ring_append", "lost_writes", "self_test_rows", "verify", "write"]
+__all__ = ["RefSource", "Verdicts", "check_entries", "lost_writes", "owners", "ring_append", "self_test_rows", "verify",
+           "write"]
 
 _ANCHOR_I64 = to_i64(ANCHOR_HASH)
 _CHAIN = int(FailReason.VERIFY_CHAIN_HASH_MISMATCH)
@@ -253,11 +254,8 @@ def lost_writes(words, req, slot, token, position, fp):
     differs from ``token`` (the bytes did not change, the token did), both tokens known (>= 0: the
     vLLM connector stamps -1 for a token the scheduler did not know). Returns the indices of the
     entries with a lost write and, per entry, the previous record's TOKEN and POSITION."""
-    n = len(slot)
-    prev_tok = words[slot, FIELD_TOKEN].copy() if n else np.zeros(0, np.int64)
-    prev_pos = words[slot, FIELD_POSITION].copy() if n else np.zeros(0, np.int64)
-    prev_fp = words[slot, FIELD_REAL_KV_HASH].copy() if n else np.zeros(0, np.int64)
-    order = np.lexsort((np.arange(n), slot, req))  # by request, slot, then entry
+    prev_tok, prev_pos, prev_fp = (words[slot, f] for f in (FIELD_TOKEN, FIELD_POSITION, FIELD_REAL_KV_HASH))  # copies
+    order = np.lexsort((np.arange(len(slot)), slot, req))  # by request, slot, then entry
     same = (req[order][1:] == req[order][:-1]) & (slot[order][1:] == slot[order][:-1])
     later, earlier = order[1:][same], order[:-1][same]  # entry `later`'s previous stamp is `earlier`
     prev_tok[later], prev_pos[later], prev_fp[later] = token[earlier], position[earlier], fp[earlier]

@@ -107,6 +107,19 @@ def make(seed: int, *, num_slots=2048, page_size=16, mode=abi.HashMode.PARTIAL, 
     return w
 
 
+def repeated_slots(seed: int, n: int = 1500, slots: int = 300) -> Workload:
+    """One request of ``n`` entries over slots [1, ``slots``): slots repeat within and across the
+    write's 192-entry chunks, and about 5 % of the entries are skipped (-1)."""
+    w = make(seed, num_slots=4000, page_size=16, num_reqs=1, max_len=2, mode=abi.HashMode.PARTIAL)
+    rng = np.random.default_rng(3)
+    w.offsets = np.array([0, n], np.int64)
+    w.input_ids = rng.integers(0, 1 << 30, n).astype(np.int64)
+    w.positions = np.arange(n, dtype=np.int64)
+    w.out_cache_loc = rng.integers(1, slots, n).astype(np.int64)
+    w.out_cache_loc[rng.random(n) < 0.05] = -1
+    return w
+
+
 def run(w: Workload, to_backend, to_host, *, stream=None, to_state=None) -> dict:
     """Write, corrupt, verify; return every effect as host numpy arrays. ``to_state`` makes the
     request verdict arrays the kernels write (default ``to_backend``; a backend whose 1-D int64

@@ -192,14 +192,8 @@ def test_long_chain_single_request():
 def test_write_repeated_slots_last_occurrence_stores():
     """A request that writes a slot several times (within one 192-entry chunk and across chunks):
     the record of its last occurrence stays, as in the reference's in-order stores."""
-    w = workloads.make(77, num_slots=4000, page_size=16, num_reqs=1, max_len=2, mode=abi.HashMode.PARTIAL)
-    rng = np.random.default_rng(3)
     n = 1500
-    w.offsets = np.array([0, n], np.int64)
-    w.input_ids = rng.integers(0, 1 << 30, n).astype(np.int64)
-    w.positions = np.arange(n, dtype=np.int64)
-    w.out_cache_loc = rng.integers(1, 300, n).astype(np.int64)
-    w.out_cache_loc[rng.random(n) < 0.05] = -1
+    w = workloads.repeated_slots(77, n)
     w.expected_input_ids, w.expected_positions = w.input_ids.copy(), w.positions.copy()
     ref = workloads.run(w, host, to_host)
     workloads.assert_same(ref, workloads.run(w, to_dev, to_host))

@@ -114,14 +114,8 @@ def test_repeated_slots_across_chunks_check_in_entry_order():
     """One request of 1500 entries over 300 slots (repeats within and across 192-entry chunks, over
     unchanged bytes): each later occurrence finds the previous occurrence's record, as the
     reference checks entries in order; the kernel's last occurrence per chunk checks them."""
-    w = workloads.make(441, num_slots=4000, page_size=16, num_reqs=1, max_len=2, mode=abi.HashMode.PARTIAL)
-    rng = np.random.default_rng(3)
     n = 1500
-    w.offsets = np.array([0, n], np.int64)
-    w.input_ids = rng.integers(0, 1 << 30, n).astype(np.int64)
-    w.positions = np.arange(n, dtype=np.int64)
-    w.out_cache_loc = rng.integers(1, 300, n).astype(np.int64)
-    w.out_cache_loc[rng.random(n) < 0.05] = -1
+    w = workloads.repeated_slots(441, n)
     ref = _two_steps(w, host, w.input_ids[::-1].copy(), w.positions, [big for big, _ in w.pools], False)
     got = _two_steps(w, to_dev, w.input_ids[::-1].copy(), w.positions, [big for big, _ in w.pools], False)
     np.testing.assert_array_equal(ref[0], got[0])
